@@ -1,0 +1,1 @@
+"""Adapters: Turbo LoRA validation, conversion, residency and the runtime branch; Turbo contracts."""

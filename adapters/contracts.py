@@ -1,0 +1,110 @@
+"""Turbo contracts: what each distilled adapter / DMD model requires of the sampler.
+
+A contract travels with the MODEL in ``model_options["h3_turbo"]["contract"]`` (see :func:`attach`,
+:func:`get`) so the sampler can enforce it at sampling time. Sources: H3_FACTS §4-§6,
+``shared/seeds/TURBO.md`` (SHA-256 of the two files the user runs).
+"""
+from __future__ import annotations
+
+import copy
+from dataclasses import asdict, dataclass, field
+
+MODEL_OPTIONS_KEY = "h3_turbo"
+
+
+@dataclass(frozen=True)
+class TurboContract:
+    """Sampling contract of one Turbo artifact.
+
+    variant: API alias ("4step", "8step", "turboh3-dmd", or "unknown").
+    nfe: model evaluations per sample (ComfyUI "steps"); grid has nfe+1 sigmas.
+    shift_video / shift_audio: the uniform-shifted-grid shifts per modality.
+    alpha_over_rank: the expected effective LoRA scale (None for non-LoRA artifacts or unknown).
+    name: the artifact (file name or alias); sha256: content hash when known; source: where the
+    contract came from ("known-artifact", "metadata", "fixture", "user").
+    """
+
+    variant: str
+    nfe: int
+    shift_video: float
+    shift_audio: float
+    alpha_over_rank: float | None = None
+    name: str = ""
+    sha256: str | None = None
+    source: str = "known-artifact"
+    extra: dict = field(default_factory=dict, compare=False)
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class KnownArtifact:
+    """An official artifact: file name stem, SHA-256 if published, and its contract."""
+
+    filename: str
+    sha256: str | None
+    contract: TurboContract
+
+
+def _c(variant, nfe, sv, sa, aor, name, sha=None):
+    return KnownArtifact(name + ".safetensors", sha, TurboContract(variant, nfe, sv, sa, aor, name, sha))
+
+
+# H3_FACTS §4 (alpha per file, shifts, NFE) and seeds/TURBO.md (SHA-256).
+KNOWN_ARTIFACTS: tuple[KnownArtifact, ...] = (
+    _c("4step", 4, 6.0, 3.0, 1.0, "minimax_h3_fl2v_turbo_4step_v1.1_768p_comfyui_bf16",
+       "449d80f301ac571622c72e28b8fd72a4b3681b7a8df8a92f17c8f6ec43f56558"),
+    _c("8step", 8, 12.0, 3.0, 1 / 16, "minimax_h3_fl2v_turbo_8step_v1.0_comfyui_bf16",
+       "2339acdf19bfe123f46b971ea35d367a84adb85de43627e1eceafa5a5b2b111e"),
+    _c("4step", 4, 6.0, 3.0, 1.0, "minimax_h3_fl2v_turbo_4step_v1.0_768p_comfyui_bf16"),
+    # Names below are official (H3_FACTS §4 / lightx2v-h3.md); alpha/rank 1/16 is inferred from their
+    # Diffusers twins declaring alpha 8: the loader checks the file's own alpha tensors.
+    _c("8step", 8, 12.0, 3.0, 1 / 16, "minimax_h3_fl2v_turbo_8step_v1.0_768p_comfyui_bf16"),
+    _c("4step", 4, 6.0, 3.0, 1 / 16, "minimax_h3_fl2v_turbo_4step_v1.2_768p_comfyui_bf16"),
+)
+
+# TurboH3-FL2VA-I2VA DMD: 5 sigma points = 4 updates, shifts 12/3 (H3_FACTS §6).
+TURBOH3_DMD = TurboContract("turboh3-dmd", 4, 12.0, 3.0, None, "TurboH3-FL2VA-I2VA", None, "known-artifact")
+
+
+def by_sha256(sha: str) -> KnownArtifact | None:
+    """The known artifact with this SHA-256 (lowercase hex), or None."""
+    for a in KNOWN_ARTIFACTS:
+        if a.sha256 and a.sha256 == sha.lower():
+            return a
+    return None
+
+
+def by_filename(name: str) -> KnownArtifact | None:
+    """The known artifact whose official file name equals ``name`` (base name, with extension)."""
+    for a in KNOWN_ARTIFACTS:
+        if a.filename == name:
+            return a
+    return None
+
+
+def attach(model_patcher, contract: TurboContract | None, **info) -> None:
+    """Store ``contract`` (and extra info such as the adapter key) on a ModelPatcher's model_options.
+
+    Call on a clone only. ``None`` removes any contract (Turbo off).
+    """
+    opts = model_patcher.model_options
+    entry = dict(opts.get(MODEL_OPTIONS_KEY) or {})
+    if contract is None:
+        entry.pop("contract", None)
+    else:
+        entry["contract"] = contract
+    entry.update(info)
+    opts[MODEL_OPTIONS_KEY] = entry
+
+
+def get(model_options: dict) -> TurboContract | None:
+    """The Turbo contract carried by ``model_options`` (a ModelPatcher's or a sampler's), or None."""
+    entry = (model_options or {}).get(MODEL_OPTIONS_KEY) or {}
+    return entry.get("contract")
+
+
+def copy_entry(model_options: dict) -> dict:
+    """A copy of the pack's model_options entry (for logging / the ready route)."""
+    return copy.copy((model_options or {}).get(MODEL_OPTIONS_KEY) or {})

@@ -1,0 +1,151 @@
+"""Run ComfyUI in-process (no web server): find it, boot it on a device, register this pack, and
+execute API-format prompts through ComfyUI's own ``validate_prompt`` + ``PromptExecutor``.
+
+Used by the main job (``python -m h3_turbo.demo``) and by the integration tests. Nothing here copies
+ComfyUI code; it drives the real modules from the checkout found by :func:`find_comfyui`.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import sys
+import uuid
+from pathlib import Path
+
+log = logging.getLogger("h3_turbo")
+
+DEFAULT_COMFYUI = Path.home() / "ComfyUI"
+
+
+class ComfyUINotFound(RuntimeError):
+    """No ComfyUI checkout with MiniMax H3 support could be found."""
+
+
+def find_comfyui(explicit: str | os.PathLike | None = None) -> Path:
+    """Locate a ComfyUI checkout with H3 support (``comfy/ldm/minimax/model.py``).
+
+    Order: ``explicit``, ``$COMFYUI_PATH``, the ComfyUI this pack sits in (``<ComfyUI>/custom_nodes/<pack>``),
+    then ``~/ComfyUI``. Raises :class:`ComfyUINotFound` naming every place tried.
+    """
+    here = Path(__file__).resolve().parent
+    cands: list[tuple[str, Path]] = []
+    if explicit:
+        cands.append(("argument", Path(explicit)))
+    if os.environ.get("COMFYUI_PATH"):
+        cands.append(("$COMFYUI_PATH", Path(os.environ["COMFYUI_PATH"])))
+    if here.parent.name == "custom_nodes":
+        cands.append(("parent of custom_nodes/", here.parent.parent))
+    cands.append(("default", DEFAULT_COMFYUI))
+    for _, p in cands:
+        if (p / "comfy" / "ldm" / "minimax" / "model.py").is_file() and (p / "execution.py").is_file():
+            return p.resolve()
+    tried = ", ".join(f"{src}: {p}" for src, p in cands)
+    raise ComfyUINotFound(
+        "No ComfyUI with MiniMax H3 support found (looked for comfy/ldm/minimax/model.py in "
+        f"{tried}). Set COMFYUI_PATH to a ComfyUI checkout of 2026-08 or newer.")
+
+
+class _ServerStub:
+    """The few ``PromptServer`` members that ``PromptExecutor`` uses, recording every event."""
+
+    def __init__(self) -> None:
+        self.client_id = None
+        self.last_node_id = None
+        self.last_prompt_id = None
+        self.events: list[tuple[str, object]] = []
+
+    def send_sync(self, event, data, sid=None):
+        self.events.append((event, data))
+
+    def queue_updated(self):
+        pass
+
+
+class ComfyRunner:
+    """A booted in-process ComfyUI. Create with :func:`boot`; one per process."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        import execution  # noqa: F401  (ComfyUI's)
+
+        self.server = _ServerStub()
+        self.executor = execution.PromptExecutor(
+            self.server, cache_type=execution.CacheType.CLASSIC,
+            cache_args={"lru": 0, "ram": 0, "ram_inactive": 0})
+
+    def add_models_dir(self, root: str | os.PathLike) -> None:
+        """Register ``root/<folder>`` for every ComfyUI model folder name found under ``root``."""
+        import folder_paths
+
+        for sub in sorted(Path(root).iterdir()):
+            if sub.is_dir():
+                folder_paths.add_model_folder_path(sub.name, str(sub), is_default=True)
+
+    def set_output_dir(self, out: str | os.PathLike) -> None:
+        import folder_paths
+
+        os.makedirs(out, exist_ok=True)
+        folder_paths.set_output_directory(str(out))
+
+    def run(self, prompt: dict, outputs: list[str] | None = None) -> dict:
+        """Validate and execute an API-format prompt. Returns ``history_result["outputs"]``.
+
+        Raises :class:`PromptFailed` with ComfyUI's own validation or execution error text.
+        """
+        import execution
+
+        prompt_id = str(uuid.uuid4())
+        ok, err, good_outputs, node_errors = asyncio.run(execution.validate_prompt(prompt_id, prompt, outputs))
+        if not ok:
+            raise PromptFailed(f"invalid prompt: {err}; node errors: {node_errors}", err, node_errors)
+        self.executor.execute(prompt, prompt_id, {}, good_outputs)
+        if not self.executor.success:
+            errs = [d for ev, d in self.executor.status_messages if ev == "execution_error"]
+            msg = errs[0]["exception_message"] if errs else "execution failed"
+            raise PromptFailed(msg, errs[0] if errs else None, None)
+        return self.executor.history_result.get("outputs", {})
+
+
+class PromptFailed(RuntimeError):
+    """A prompt failed validation or execution; ``str()`` is ComfyUI's message."""
+
+    def __init__(self, message: str, error=None, node_errors=None):
+        super().__init__(message)
+        self.error = error
+        self.node_errors = node_errors
+
+
+_RUNNER: ComfyRunner | None = None
+
+
+def boot(comfyui: str | os.PathLike | None = None, *, cpu: bool = True) -> ComfyRunner:
+    """Import the real ComfyUI from :func:`find_comfyui`, load its built-in nodes, register this pack's
+    nodes and route, and return the process-wide :class:`ComfyRunner`.
+
+    ``cpu=True`` forces ComfyUI's ``--cpu`` (tests, the CPU demo). Idempotent.
+    """
+    global _RUNNER
+    if _RUNNER is not None:
+        return _RUNNER
+    path = find_comfyui(comfyui)
+    if str(path) not in sys.path:
+        sys.path.insert(0, str(path))
+    from comfy.cli_args import args
+
+    if cpu:
+        args.cpu = True
+    args.disable_all_custom_nodes = True
+    import nodes
+
+    asyncio.run(nodes.init_extra_nodes(init_custom_nodes=False, init_api_nodes=False))
+    from .nodes import all_nodes
+
+    for cls in all_nodes():
+        schema = cls.GET_SCHEMA() if hasattr(cls, "GET_SCHEMA") else None
+        node_id = schema.node_id if schema is not None else cls.__name__
+        nodes.NODE_CLASS_MAPPINGS[node_id] = cls
+        if schema is not None and schema.display_name:
+            nodes.NODE_DISPLAY_NAME_MAPPINGS[node_id] = schema.display_name
+    _RUNNER = ComfyRunner(path)
+    return _RUNNER

@@ -1,0 +1,1 @@
+"""GPU kernels (Triton) and compute-path dispatch for NVFP4 linears."""

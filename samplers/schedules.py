@@ -1,0 +1,41 @@
+"""Uniform shifted sigma grids ("uniform shifted training-Euler", LightX2V ``_make_schedule``).
+
+Source: H3_FACTS §5 (verified in LightX2V ``lightx2v/models/schedulers/minimax_h3/scheduler.py``).
+"""
+from __future__ import annotations
+
+import torch
+
+
+def shifted_grid(nfe: int, shift: float, dtype: torch.dtype = torch.float64) -> torch.Tensor:
+    """Sigmas ``s*b/(1+(s-1)*b)`` with ``b = linspace(1, 0, nfe+1)``; shape [nfe+1], first 1, last exactly 0.
+
+    ``nfe`` is the number of model evaluations (ComfyUI "steps"), not the number of grid points.
+    Raises ValueError for nfe < 1 or shift <= 0.
+    """
+    if int(nfe) != nfe or nfe < 1:
+        raise ValueError(f"nfe must be a positive integer (model evaluations), got {nfe!r}")
+    if not shift > 0:
+        raise ValueError(f"shift must be > 0, got {shift!r}")
+    b = torch.linspace(1.0, 0.0, int(nfe) + 1, dtype=torch.float64)
+    s = float(shift)
+    sig = s * b / (1.0 + (s - 1.0) * b)
+    sig[-1] = 0.0
+    return sig.to(dtype)
+
+
+def audio_sigma_from_video(sigma_v: torch.Tensor, shift_v: float, shift_a: float) -> torch.Tensor:
+    """Core's closed form (``comfy/ldm/minimax/model.py: time_shift_sigma``, H3_FACTS §2):
+    ``b = s_v/(shift_v + s_v*(1-shift_v))``, ``s_a = shift_a*b/(1+(shift_a-1)*b)``."""
+    b = sigma_v / (shift_v + sigma_v * (1.0 - shift_v))
+    return shift_a * b / (1.0 + (shift_a - 1.0) * b)
+
+
+def audio_shift_for(sigma_v: float, sigma_a: float, shift_v: float) -> float:
+    """The per-call audio shift that makes core's closed form map ``sigma_v`` to ``sigma_a``:
+    ``s_a = sigma_a*(1-b)/(b*(1-sigma_a))`` with ``b = sigma_v/(shift_v + sigma_v*(1-shift_v))``
+    (comfyui-h3.md §6.4 B). Defined for 0 < sigma_v, sigma_a < 1; raises ValueError otherwise."""
+    if not (0.0 < sigma_v < 1.0 and 0.0 < sigma_a < 1.0):
+        raise ValueError(f"audio_shift_for needs 0 < sigma < 1, got sigma_v={sigma_v}, sigma_a={sigma_a}")
+    b = sigma_v / (shift_v + sigma_v * (1.0 - shift_v))
+    return sigma_a * (1.0 - b) / (b * (1.0 - sigma_a))

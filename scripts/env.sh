@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# Make (or reuse) the Python environment that runs this pack with a real ComfyUI on the CPU, then
+# install the pack into it (editable). Prints nothing but progress; sourced by test.sh and demo.sh.
+#
+#   H3T_VENV      the venv to use/create (default: $HOME/comfyui-venv)
+#   COMFYUI_PATH  a ComfyUI checkout with MiniMax H3 (default: $HOME/ComfyUI); its requirements.txt
+#                 is installed. Without one, only the pack's own dependencies are installed and the
+#                 integration tests skip (loudly).
+# Pinned stack (verified): Python 3.11, torch 2.14.1 + torchvision 0.29.1, torchaudio 2.11.1 (--no-deps),
+# ComfyUI's requirements (comfy-kitchen 0.2.31).
+set -euo pipefail
+here=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+venv=${H3T_VENV:-$HOME/comfyui-venv}
+comfy=${COMFYUI_PATH:-$HOME/ComfyUI}
+py=${PYTHON:-python3.11}
+if ! "$venv/bin/python" -c 'import torch, sys; sys.exit(0 if torch.__version__.startswith("2.14.1") else 1)' 2>/dev/null; then
+  echo "[h3-turbo] creating venv $venv (torch 2.14.1, torchvision 0.29.1, torchaudio 2.11.1)"
+  "$py" -m venv "$venv"
+  "$venv/bin/pip" install -q --upgrade pip
+  "$venv/bin/pip" install -q torch==2.14.1 torchvision==0.29.1
+  "$venv/bin/pip" install -q --no-deps torchaudio==2.11.1
+fi
+if [ -f "$comfy/requirements.txt" ]; then
+  if ! "$venv/bin/python" -c 'import comfy_kitchen, aiohttp, av, einops, transformers, alembic, blake3, torchsde' 2>/dev/null; then
+    echo "[h3-turbo] installing ComfyUI requirements from $comfy/requirements.txt"
+    reqs=$(mktemp)
+    grep -v -E '^(#|$)|^torch$|^torchvision|^torchaudio' "$comfy/requirements.txt" > "$reqs"
+    "$venv/bin/pip" install -q -r "$reqs" packaging
+    rm -f "$reqs"
+  fi
+else
+  echo "[h3-turbo] no ComfyUI at $comfy (set COMFYUI_PATH): integration tests will be skipped" >&2
+  "$venv/bin/pip" install -q comfy-kitchen==0.2.31
+fi
+"$venv/bin/pip" install -q --no-build-isolation -e "$here[test]" 2>&1 | grep -v -i "warning: location" || true
+"$venv/bin/python" -c 'import h3_turbo' || { echo "[h3-turbo] editable install failed" >&2; exit 1; }
+export H3T_PY="$venv/bin/python"

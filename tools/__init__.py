@@ -1,0 +1,1 @@
+"""Command-line tools (no ComfyUI needed): ``python -m h3_turbo.tools --help``."""

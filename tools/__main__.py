@@ -1,0 +1,34 @@
+"""``python -m h3_turbo.tools <command>``: fixtures and checkpoint tools (no ComfyUI needed)."""
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def _cmd_make_fixtures(args: argparse.Namespace) -> int:
+    from .fixtures import make_fixtures
+
+    paths = make_fixtures(args.dir, seed=args.seed, nvfp4=not args.no_nvfp4)
+    for name, p in paths.items():
+        print(f"{name}: {p}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m h3_turbo.tools", description=__doc__)
+    sub = p.add_subparsers(dest="cmd", required=True)
+    f = sub.add_parser("make-fixtures", help="write tiny H3 fixtures (models tree) into DIR")
+    f.add_argument("dir")
+    f.add_argument("--seed", type=int, default=0)
+    f.add_argument("--no-nvfp4", action="store_true", help="skip the NVFP4 file (needs comfy-kitchen)")
+    f.set_defaults(func=_cmd_make_fixtures)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

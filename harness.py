@@ -10,6 +10,7 @@ import asyncio
 import logging
 import os
 import sys
+import time
 import uuid
 from pathlib import Path
 
@@ -56,7 +57,7 @@ class _ServerStub:
         self.events: list[tuple[str, object]] = []
 
     def send_sync(self, event, data, sid=None):
-        self.events.append((event, data))
+        self.events.append((event, data, time.perf_counter()))
 
     def queue_updated(self):
         pass
@@ -96,15 +97,23 @@ class ComfyRunner:
         import execution
 
         prompt_id = str(uuid.uuid4())
+        self.server.events.clear()
         ok, err, good_outputs, node_errors = asyncio.run(execution.validate_prompt(prompt_id, prompt, outputs))
         if not ok:
             raise PromptFailed(f"invalid prompt: {err}; node errors: {node_errors}", err, node_errors)
-        self.executor.execute(prompt, prompt_id, {}, good_outputs)
+        self.executor.execute(prompt, prompt_id, {"client_id": "h3turbo-harness"}, good_outputs)
         if not self.executor.success:
             errs = [d for ev, d in self.executor.status_messages if ev == "execution_error"]
             msg = errs[0]["exception_message"] if errs else "execution failed"
             raise PromptFailed(msg, errs[0] if errs else None, None)
         return self.executor.history_result.get("outputs", {})
+
+    def node_times(self) -> list[tuple[str, float]]:
+        """(node id, seconds) per node executed in the last :meth:`run`, from ComfyUI's own
+        ``executing`` events (a cached node takes ~0 s)."""
+        marks = [(d.get("node") if ev == "executing" else None, t) for ev, d, t in self.server.events
+                 if ev in ("executing", "execution_success") and isinstance(d, dict)]
+        return [(n, t1 - t0) for (n, t0), (_, t1) in zip(marks, marks[1:]) if n is not None]
 
 
 class PromptFailed(RuntimeError):

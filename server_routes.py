@@ -1,0 +1,142 @@
+"""The pack's HTTP route: ``GET /h3turbo/ready`` (also served as ``/api/h3turbo/ready`` by ComfyUI).
+
+The handler only reads cached state (``h3_turbo.state`` and the Turbo LoRA scanner's status): it never
+hashes or loads a file. Turbo files are found by :mod:`h3_turbo.adapters.scan` in a background thread
+started by :func:`register_routes` (and re-started by ``?rescan=1``).
+
+Response (JSON object):
+  ``ready`` (bool: the pack's nodes are registered and the first listing of the loras folders is done),
+  ``available_turbos`` (list of {variant, file, path, bytes, sha256, verified, source, nfe, shift_video,
+  shift_audio, expected_sha256, error}), ``resident_turbos`` ({key: info}), ``current_turbo`` (str),
+  ``current_turbo_at`` (unix s or null), ``loaded_models`` ({path: {format, compute, ...}}),
+  ``scan`` (scanner status: state, pending_hashes, ...), ``device`` ({name, type}),
+  ``versions`` ({h3_turbo, comfyui, torch}), ``nodes`` (registered node ids of the pack).
+"""
+from __future__ import annotations
+
+import logging
+import time
+
+log = logging.getLogger("h3_turbo")
+
+ROUTE = "/h3turbo/ready"
+RESCAN_MIN_INTERVAL_S = 5.0
+
+_registered = False
+_static: dict = {}
+_last_rescan = 0.0
+
+
+def _static_info() -> dict:
+    """Device and versions, computed once (torch/cuda queries are not free)."""
+    if _static:
+        return _static
+    from . import __version__
+
+    info = {"versions": {"h3_turbo": __version__}, "device": {"name": None, "type": None}}
+    try:
+        import comfyui_version
+
+        info["versions"]["comfyui"] = comfyui_version.__version__
+    except ImportError:
+        info["versions"]["comfyui"] = None
+    try:
+        import torch
+
+        info["versions"]["torch"] = torch.__version__
+    except ImportError:
+        info["versions"]["torch"] = None
+    try:
+        import comfy.model_management as mm
+
+        dev = mm.get_torch_device()
+        info["device"] = {"name": mm.get_torch_device_name(dev), "type": getattr(dev, "type", str(dev))}
+    except Exception as e:  # reported, not raised: the route must answer
+        info["device"] = {"name": None, "type": None, "error": f"{type(e).__name__}: {e}"}
+    _static.update(info)
+    return _static
+
+
+def _node_ids() -> list[str]:
+    try:
+        import nodes  # ComfyUI's
+
+        ours = {c.__module__.split(".nodes.")[0] for c in _pack_node_classes()}
+        return sorted(k for k, c in nodes.NODE_CLASS_MAPPINGS.items()
+                      if k.startswith("H3Turbo") and getattr(c, "__module__", "").split(".nodes.")[0] in ours)
+    except Exception:
+        return []
+
+
+def _pack_node_classes():
+    from .nodes import all_nodes
+
+    return all_nodes()
+
+
+def ready_payload() -> dict:
+    """The JSON body of ``GET /h3turbo/ready`` (cheap: cached state only)."""
+    from . import state
+    from .adapters.scan import SCANNER
+
+    snap = state.snapshot()
+    scan = SCANNER.status()
+    node_ids = _node_ids()
+    body = {
+        "ready": bool(node_ids) and scan["listed_at"] is not None,
+        "available_turbos": snap["available_turbos"],
+        "resident_turbos": snap["resident_turbos"],
+        "current_turbo": snap["current_turbo"],
+        "current_turbo_at": snap["current_turbo_at"],
+        "loaded_models": snap["loaded_models"],
+        "scan": scan,
+        "nodes": node_ids,
+        "time": time.time(),
+    }
+    body.update(_static_info())
+    return body
+
+
+def register_routes(server=None) -> bool:
+    """Add ``GET /h3turbo/ready`` to ``PromptServer.instance.routes`` and start the Turbo LoRA scan.
+
+    Idempotent. Returns False (logged once) when there is no PromptServer (in-process harness runs):
+    the scan still starts so ``state`` is filled. ``server`` overrides ``PromptServer.instance`` (tests).
+    """
+    global _registered
+    from .adapters.scan import SCANNER
+
+    SCANNER.start()
+    if _registered:
+        return True
+    if server is None:
+        try:
+            from server import PromptServer
+
+            server = getattr(PromptServer, "instance", None)
+        except ImportError:
+            server = None
+    if server is None:
+        log.info("h3_turbo: no ComfyUI PromptServer in this process; %s not registered", ROUTE)
+        return False
+    from aiohttp import web
+
+    async def h3turbo_ready(request):
+        global _last_rescan
+        if request.query.get("rescan") in ("1", "true", "yes"):
+            now = time.monotonic()
+            if now - _last_rescan >= RESCAN_MIN_INTERVAL_S:
+                _last_rescan = now
+                SCANNER.start()
+        return web.json_response(ready_payload(), dumps=_dumps)
+
+    server.routes.get(ROUTE)(h3turbo_ready)
+    _registered = True
+    log.info("h3_turbo: registered GET %s", ROUTE)
+    return True
+
+
+def _dumps(obj) -> str:
+    import json
+
+    return json.dumps(obj, default=str)

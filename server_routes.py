@@ -9,6 +9,7 @@ Response (JSON object):
   ``available_turbos`` (list of {variant, file, path, bytes, sha256, verified, source, nfe, shift_video,
   shift_audio, expected_sha256, error}), ``resident_turbos`` ({key: info}), ``current_turbo`` (str),
   ``current_turbo_at`` (unix s or null), ``loaded_models`` ({path: {format, compute, ...}}),
+  ``adapter_loads`` ({loads, hits, evictions}: Turbo LoRA file reads / cache hits / evictions),
   ``scan`` (scanner status: state, pending_hashes, ...), ``device`` ({name, type}),
   ``versions`` ({h3_turbo, comfyui, torch}), ``nodes`` (registered node ids of the pack).
 """
@@ -57,21 +58,28 @@ def _static_info() -> dict:
     return _static
 
 
+_node_ids_cache: list[str] = []
+
+
 def _node_ids() -> list[str]:
+    """Ids of the pack's node classes that ComfyUI's registry maps to these very classes."""
+    if _node_ids_cache:
+        return list(_node_ids_cache)
     try:
         import nodes  # ComfyUI's
 
-        ours = {c.__module__.split(".nodes.")[0] for c in _pack_node_classes()}
-        return sorted(k for k, c in nodes.NODE_CLASS_MAPPINGS.items()
-                      if k.startswith("H3Turbo") and getattr(c, "__module__", "").split(".nodes.")[0] in ours)
-    except Exception:
+        from .nodes import all_nodes
+
+        ids = []
+        for cls in all_nodes():
+            nid = cls.GET_SCHEMA().node_id
+            if nodes.NODE_CLASS_MAPPINGS.get(nid) is cls:
+                ids.append(nid)
+    except Exception as e:
+        log.debug("h3_turbo: node registry not readable yet: %s", e)
         return []
-
-
-def _pack_node_classes():
-    from .nodes import all_nodes
-
-    return all_nodes()
+    _node_ids_cache[:] = sorted(ids)
+    return list(_node_ids_cache)
 
 
 def ready_payload() -> dict:
@@ -84,17 +92,30 @@ def ready_payload() -> dict:
     node_ids = _node_ids()
     body = {
         "ready": bool(node_ids) and scan["listed_at"] is not None,
-        "available_turbos": snap["available_turbos"],
+        # the scanner's own list (hash-verified) wins over other writers of state.available_turbos
+        "available_turbos": SCANNER.items() if scan["listed_at"] is not None else snap["available_turbos"],
         "resident_turbos": snap["resident_turbos"],
         "current_turbo": snap["current_turbo"],
         "current_turbo_at": snap["current_turbo_at"],
         "loaded_models": snap["loaded_models"],
+        "adapter_loads": _adapter_loads(),
         "scan": scan,
         "nodes": node_ids,
         "time": time.time(),
     }
     body.update(_static_info())
     return body
+
+
+def _adapter_loads() -> dict:
+    """Turbo LoRA residency counters (``adapters.residency.LOAD_STATS``): ``loads`` = adapter files read
+    from disk, ``hits`` = requests served from the resident cache, ``evictions``."""
+    try:
+        from .adapters.residency import LOAD_STATS
+
+        return dict(LOAD_STATS)
+    except Exception as e:  # reported, not raised: the route must answer
+        return {"error": f"{type(e).__name__}: {e}"}
 
 
 def register_routes(server=None) -> bool:

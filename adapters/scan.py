@@ -9,12 +9,12 @@ Recognition order for one ``.safetensors`` file (``recognize``, cheap: reads the
    (:func:`h3_turbo.adapters.contracts.by_sha256`) -> source ``"sha256"``.
 
 SHA-256 is computed by :class:`TurboScanner` in a background thread, once per (path, size, mtime_ns),
-and cached in memory. ``verified`` is True when the hash equals the published one, False when a file with
+in the Turbo LoRA loader's process-wide cache (:func:`h3_turbo.adapters.turbo_lora.sha256_file`), so the
+loader and the scan never hash the same file twice. ``verified`` is True when the hash equals the published one, False when a file with
 an official name has another hash (``error`` says which), None while pending or when no hash is published.
 """
 from __future__ import annotations
 
-import hashlib
 import logging
 import os
 import threading
@@ -25,48 +25,21 @@ from . import contracts
 log = logging.getLogger("h3_turbo")
 
 H3_LORA_PROBE_KEY = "diffusion_model.blocks.0.attn.qkv_proj.lora_A.weight"
-_CHUNK = 8 << 20
-
-# (realpath, size, mtime_ns) -> sha256 hex; process-wide so a rescan never rehashes an unchanged file.
-_HASH_CACHE: dict[tuple[str, int, int], str] = {}
-_HASH_LOCK = threading.Lock()
-
-
-def file_key(path: str) -> tuple[str, int, int]:
-    """(real path, size in bytes, mtime in ns): the hash cache key of ``path``. OSError if missing."""
-    st = os.stat(path)
-    return (os.path.realpath(path), int(st.st_size), int(st.st_mtime_ns))
-
 
 def cached_sha256(path: str) -> str | None:
-    """The cached SHA-256 of ``path`` if it was hashed at its current size and mtime, else None."""
-    try:
-        k = file_key(path)
-    except OSError:
-        return None
-    with _HASH_LOCK:
-        return _HASH_CACHE.get(k)
+    """The cached SHA-256 of ``path`` at its current size and mtime, else None (shared with the Turbo LoRA
+    loader's cache in :mod:`h3_turbo.adapters.turbo_lora`, so a file is hashed once per process)."""
+    from . import turbo_lora
+
+    return turbo_lora.cached_sha256(path)
 
 
 def sha256_file(path: str) -> str:
-    """SHA-256 (lowercase hex) of the file at ``path``, streamed in 8 MiB chunks; cached per
-    (path, size, mtime_ns). hashlib releases the GIL while hashing, so this is safe in a thread."""
-    k = file_key(path)
-    with _HASH_LOCK:
-        hit = _HASH_CACHE.get(k)
-    if hit is not None:
-        return hit
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while True:
-            b = f.read(_CHUNK)
-            if not b:
-                break
-            h.update(b)
-    digest = h.hexdigest()
-    with _HASH_LOCK:
-        _HASH_CACHE[k] = digest
-    return digest
+    """SHA-256 (lowercase hex) of ``path`` through :func:`h3_turbo.adapters.turbo_lora.sha256_file` (cached per
+    real path + size + mtime_ns; hashlib releases the GIL, so this is safe in a thread)."""
+    from . import turbo_lora
+
+    return turbo_lora.sha256_file(path)
 
 
 def _read_header(path: str):
@@ -169,6 +142,12 @@ class TurboScanner:
         self._status = {"state": "idle", "started_at": None, "listed_at": None, "finished_at": None,
                         "pending_hashes": 0, "files_seen": 0, "error": None}
         self._again = False
+        self._items: list[dict] = []
+
+    def items(self) -> list[dict]:
+        """The last published list (copies); [] before the first listing."""
+        with self._lock:
+            return [dict(i) for i in self._items]
 
     def status(self) -> dict:
         with self._lock:
@@ -196,7 +175,10 @@ class TurboScanner:
     def _publish(self, items: list[dict]) -> None:
         from .. import state
 
-        state.set_available_turbos(sorted(items, key=lambda i: (i["variant"], i["file"])))
+        items = sorted(items, key=lambda i: (i["variant"], i["file"]))
+        with self._lock:
+            self._items = [dict(i) for i in items]
+        state.set_available_turbos(items)
 
     def _run(self) -> None:
         while True:

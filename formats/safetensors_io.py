@@ -146,11 +146,15 @@ def read_header(path: str | os.PathLike) -> Header:
         if offs[1] - offs[0] != want:
             raise CheckpointError(path, f"dtype {dt} shape {shape} needs {want} bytes but data_offsets "
                                         f"{offs} hold {offs[1] - offs[0]}", key=name, expected=f"{want} bytes")
-        if offs[1] > data_len:
-            raise CheckpointError(path, f"file is truncated: the tensor ends at data byte {offs[1]} but the file "
-                                        f"holds only {data_len} data bytes ({offs[1] - data_len} missing; "
-                                        "re-download the file)", key=name, expected=f"file size >= {data_start + offs[1]}")
         out.tensors[name] = TensorInfo(name, dt, tuple(shape), offs[0], offs[1])
+    beyond = [t for t in out.tensors.values() if t.end > data_len]
+    if beyond:
+        cut = min(beyond, key=lambda t: t.begin)   # the tensor the file stops inside (or first one missing)
+        need = max(t.end for t in out.tensors.values())
+        raise CheckpointError(path, f"file is truncated: it stops at data byte {data_len}, inside or before this "
+                                    f"tensor (bytes {cut.begin}..{cut.end}); {len(beyond)} tensors incomplete, "
+                                    f"{need - data_len} bytes missing (re-download the file)", key=cut.name,
+                              expected=f"file size {data_start + need} bytes, found {size}")
     pos = 0
     for t in sorted(out.tensors.values(), key=lambda t: (t.begin, t.end)):
         if t.begin != pos:
@@ -164,13 +168,80 @@ def read_header(path: str | os.PathLike) -> Header:
     return out
 
 
-@contextmanager
-def open_tensors(path: str | os.PathLike, device: str = "cpu"):
-    """Context manager over ``safetensors.safe_open(path, "pt")``: ``.get_tensor(key)`` reads one tensor.
+_TORCH_DTYPES = None
 
-    Reading one tensor at a time keeps peak memory at one tensor (streaming).
+
+def torch_dtype(st_dtype: str):
+    """torch dtype of a safetensors dtype string (F8_E8M0 needs torch >= 2.7)."""
+    global _TORCH_DTYPES
+    if _TORCH_DTYPES is None:
+        import torch
+
+        _TORCH_DTYPES = {"BOOL": torch.bool, "U8": torch.uint8, "I8": torch.int8, "F8_E5M2": torch.float8_e5m2,
+                         "F8_E4M3": torch.float8_e4m3fn, "I16": torch.int16, "U16": torch.uint16,
+                         "F16": torch.float16, "BF16": torch.bfloat16, "I32": torch.int32, "U32": torch.uint32,
+                         "F32": torch.float32, "I64": torch.int64, "U64": torch.uint64, "F64": torch.float64}
+        if hasattr(torch, "float8_e8m0fnu"):
+            _TORCH_DTYPES["F8_E8M0"] = torch.float8_e8m0fnu
+    return _TORCH_DTYPES[st_dtype]
+
+
+class TensorReader:
+    """Reads single tensors of a validated safetensors file with plain positional reads (no mmap), so
+    the process holds only the tensors it keeps: streaming conversion of a 62 GB file needs one tensor
+    of memory, and no file pages are counted in the process's resident memory.
     """
-    from safetensors import safe_open
 
-    with safe_open(str(path), framework="pt", device=device) as f:
-        yield f
+    def __init__(self, path: str | os.PathLike, header: Header | None = None):
+        self.header = header or read_header(path)
+        self._f = open(self.header.path, "rb", buffering=0)
+
+    def keys(self) -> list[str]:
+        return list(self.header.tensors)
+
+    def metadata(self) -> dict[str, str]:
+        return dict(self.header.metadata)
+
+    def get_tensor(self, key: str):
+        """The tensor ``key`` as a new CPU tensor (its own memory). KeyError if absent."""
+        import torch
+
+        t = self.header.tensors[key]
+        buf = bytearray(t.nbytes)
+        if not t.nbytes:
+            return torch.empty(t.shape, dtype=torch_dtype(t.dtype))
+        mv, pos, done = memoryview(buf), self.header.data_start + t.begin, 0
+        self._f.seek(pos)
+        while done < t.nbytes:          # a single read returns at most ~2 GiB on Linux
+            n = self._f.readinto(mv[done:])
+            if not n:
+                raise CheckpointError(self.header.path, f"short read: got {done} of {t.nbytes} bytes (file changed "
+                                                        "while reading?)", key=key, expected=f"{t.nbytes} bytes")
+            done += n
+        return torch.frombuffer(buf, dtype=torch.uint8).view(torch_dtype(t.dtype)).reshape(t.shape)
+
+    def close(self) -> None:
+        self._f.close()
+
+
+@contextmanager
+def open_tensors(path: str | os.PathLike, device: str = "cpu", header: Header | None = None):
+    """Context manager yielding a :class:`TensorReader` (``.get_tensor(key)`` reads one tensor).
+
+    Reading one tensor at a time keeps peak memory at one tensor (streaming). ``device`` other than
+    "cpu" moves each tensor there after reading.
+    """
+    r = TensorReader(path, header)
+    try:
+        if device == "cpu":
+            yield r
+        else:
+            class _Moved:
+                def get_tensor(self, key):
+                    return r.get_tensor(key).to(device)
+
+                def keys(self):
+                    return r.keys()
+            yield _Moved()
+    finally:
+        r.close()

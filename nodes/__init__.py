@@ -13,7 +13,7 @@ from comfy_api.latest import ComfyExtension, io
 log = logging.getLogger("h3_turbo")
 
 # Node modules, in the order their nodes appear in the UI.
-NODE_MODULES = ("conditioning",)
+NODE_MODULES = ("loader", "conditioning", "sampler", "attention", "lora")
 
 CATEGORY = "H3 Turbo"
 
@@ -31,7 +31,9 @@ class H3TurboExtension(ComfyExtension):
     """Registers the pack's nodes and its HTTP route (``GET /h3turbo/ready``)."""
 
     async def on_load(self) -> None:
-        pass
+        from ..server_routes import register_routes
+
+        register_routes()
 
     async def get_node_list(self) -> list[type[io.ComfyNode]]:
         return all_nodes()

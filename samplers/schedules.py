@@ -39,3 +39,30 @@ def audio_shift_for(sigma_v: float, sigma_a: float, shift_v: float) -> float:
         raise ValueError(f"audio_shift_for needs 0 < sigma < 1, got sigma_v={sigma_v}, sigma_a={sigma_a}")
     b = sigma_v / (shift_v + sigma_v * (1.0 - shift_v))
     return sigma_a * (1.0 - b) / (b * (1.0 - sigma_a))
+
+
+def audio_grid_from_video(sigmas_v, shift_v: float, shift_a: float) -> list[float]:
+    """The audio sigma grid that belongs to a video sigma grid under core's closed form
+    (:func:`audio_sigma_from_video`), in float64, with the endpoints pinned exactly: video 1 -> audio 1,
+    video 0 -> audio 0.
+
+    sigmas_v: a sequence or 1-D tensor of video sigmas (any float dtype). Returns a list of floats of
+    the same length. For a uniform shifted grid (:func:`shifted_grid`) this equals
+    ``shifted_grid(nfe, shift_a)`` to float64 rounding, because both come from the same ``b``.
+    """
+    out = []
+    for s in (sigmas_v.tolist() if isinstance(sigmas_v, torch.Tensor) else list(sigmas_v)):
+        s = float(s)
+        if s == 0.0:
+            out.append(0.0)
+        elif s == 1.0:
+            out.append(1.0)
+        else:
+            out.append(float(audio_sigma_from_video(s, float(shift_v), float(shift_a))))
+    return out
+
+
+def turbo_grids(nfe: int, shift_video: float, shift_audio: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(video, audio) float64 grids of one Turbo contract: ``shifted_grid(nfe, shift_video)`` and
+    ``shifted_grid(nfe, shift_audio)``, each of shape [nfe+1] (H3_FACTS §5, §6)."""
+    return shifted_grid(nfe, shift_video), shifted_grid(nfe, shift_audio)

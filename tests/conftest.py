@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import os
+import subprocess
 import sys
+import time
 import warnings
 from pathlib import Path
 
@@ -63,3 +65,73 @@ def comfy(fixtures_dir, tmp_path_factory):
     runner.add_models_dir(fixtures_dir["root"])
     runner.set_output_dir(tmp_path_factory.mktemp("output"))
     return runner
+
+
+# ----------------------------------------------------------------------------------------- server
+# One real ComfyUI server per test session, shared by tests/test_server.py and tests/test_reliability_server.py.
+SERVER_STARTUP_TIMEOUT_S = 180
+REPO = Path(__file__).resolve().parent.parent
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _log_tail(path: Path, n: int = 40) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-n:])
+    except OSError:
+        return "(no log)"
+
+
+@pytest.fixture(scope="session")
+def server(tmp_path_factory):
+    """{"url", "base", "log", "models", "output", "proc"} of a running ComfyUI with the pack and fixtures."""
+    import requests
+
+    from h3_turbo.harness import find_comfyui
+    from h3_turbo.tools.fixtures import make_fixtures
+
+    comfy = find_comfyui()
+    base = tmp_path_factory.mktemp("comfy_base")
+    (base / "custom_nodes").mkdir()
+    os.symlink(REPO, base / "custom_nodes" / "h3_turbo", target_is_directory=True)
+    for d in ("user", "input", "output", "temp"):
+        (base / d).mkdir()
+    models = make_fixtures(str(base / "models"))
+    port = _free_port()
+    log = base / "server.log"
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="", PYTHONUNBUFFERED="1")
+    cmd = [sys.executable, str(comfy / "main.py"), "--cpu", "--listen", "127.0.0.1", "--port", str(port),
+           "--base-directory", str(base), "--disable-api-nodes", "--disable-auto-launch",
+           "--database-url", "sqlite:///:memory:"]
+    with open(log, "wb") as lf:
+        proc = subprocess.Popen(cmd, cwd=str(base), stdout=lf, stderr=subprocess.STDOUT, env=env,
+                                start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        t_end = time.monotonic() + SERVER_STARTUP_TIMEOUT_S
+        while True:
+            if proc.poll() is not None:
+                pytest.fail(f"ComfyUI exited with {proc.returncode} during startup:\n{_log_tail(log)}")
+            try:
+                if requests.get(url + "/h3turbo/ready", timeout=2).status_code == 200:
+                    break
+            except requests.RequestException:
+                pass
+            if time.monotonic() > t_end:
+                pytest.fail(f"ComfyUI did not serve /h3turbo/ready within {SERVER_STARTUP_TIMEOUT_S} s:\n{_log_tail(log)}")
+            time.sleep(0.5)
+        yield {"url": url, "base": base, "log": log, "models": models, "output": base / "output", "proc": proc}
+    finally:
+        if proc.poll() is None:
+            proc.terminate()
+            try:
+                proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(timeout=20)

@@ -22,6 +22,9 @@ def build_parser() -> argparse.ArgumentParser:
     f.add_argument("--seed", type=int, default=0)
     f.add_argument("--no-nvfp4", action="store_true", help="skip the NVFP4 file (needs comfy-kitchen)")
     f.set_defaults(func=_cmd_make_fixtures)
+    from .inspect_ckpt import add_parsers
+
+    add_parsers(sub)
     return p
 
 

@@ -1,0 +1,209 @@
+"""Process-wide residency of Turbo LoRA adapters, and their installation on a ModelPatcher clone.
+
+- Adapters are cached by content (SHA-256 of the file; the hash itself is cached by path + size +
+  mtime, see :func:`turbo_lora.sha256_file`), so alternating 4step/8step requests on one loaded base
+  never rebuild the base and never re-read an adapter from disk. ``LOAD_STATS["loads"]`` counts file
+  reads (tests assert it).
+- LRU eviction under a byte budget: ``$H3TURBO_LORA_BUDGET_MB`` (default 8192 MiB; the two official
+  files are 1.96 GB each). The adapter being requested is never evicted; adapters still referenced by
+  a live MODEL stay alive until that MODEL is gone (eviction only drops the cache entry).
+- Each adapter lives in an ``AdapterModule`` wrapped in a ComfyUI ``ModelPatcher``; :func:`install`
+  registers it on the clone with ``set_additional_models("h3turbo_lora", [...])`` so ComfyUI loads and
+  offloads it together with the diffusion model and counts its bytes.
+- ``state.record_resident_turbo`` / ``drop_resident_turbo`` mirror the cache for ``/h3turbo/ready``;
+  ``state.set_current_turbo`` is called when a sampling run starts (``WrappersMP.OUTER_SAMPLE``).
+"""
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+from .. import state
+from . import contracts, turbo_lora
+from .branch import AdapterModule, TurboBranch
+
+log = logging.getLogger("h3_turbo")
+
+WRAPPER_KEY = "h3turbo_lora"
+BUDGET_ENV = "H3TURBO_LORA_BUDGET_MB"
+DEFAULT_BUDGET_MB = 8192
+
+LOAD_STATS = {"loads": 0, "hits": 0, "evictions": 0}
+_lock = threading.RLock()
+_cache: "OrderedDict[str, ResidentAdapter]" = OrderedDict()
+
+
+@dataclass
+class ResidentAdapter:
+    """A loaded, validated (model-independently) adapter. ``key`` = SHA-256 of the file."""
+
+    key: str
+    path: str
+    contract: contracts.TurboContract
+    layout: str
+    key_style: str
+    module: AdapterModule
+    notes: list[str] = field(default_factory=list)
+    _patcher: object = None
+
+    @property
+    def file(self) -> str:
+        return os.path.basename(self.path)
+
+    @property
+    def variant(self) -> str:
+        return self.contract.variant
+
+    @property
+    def nbytes(self) -> int:
+        return self.module.nbytes
+
+    def validate_for(self, dims: dict[str, tuple[int, int]]) -> None:
+        """Raise TurboLoRAError unless the adapter's targets and sizes match ``dims`` exactly."""
+        turbo_lora.validate_targets(self.module.shapes(), dims, self.path)
+
+    def patcher(self):
+        """The ComfyUI ModelPatcher holding :attr:`module` (created once; lazy ComfyUI import)."""
+        if self._patcher is None:
+            import comfy.model_management as mm
+            import comfy.model_patcher
+
+            self._patcher = comfy.model_patcher.ModelPatcher(
+                self.module, load_device=mm.get_torch_device(), offload_device=mm.unet_offload_device(),
+                size=self.nbytes)
+        return self._patcher
+
+
+def budget_bytes() -> int:
+    """The residency budget in bytes from ``$H3TURBO_LORA_BUDGET_MB`` (ValueError if not a number >= 0)."""
+    raw = os.environ.get(BUDGET_ENV, "")
+    if not raw:
+        return DEFAULT_BUDGET_MB << 20
+    try:
+        mb = float(raw)
+    except ValueError as e:
+        raise ValueError(f"{BUDGET_ENV}={raw!r} is not a number of MiB") from e
+    if mb < 0:
+        raise ValueError(f"{BUDGET_ENV}={raw!r} must be >= 0")
+    return int(mb * (1 << 20))
+
+
+def _record(r: ResidentAdapter) -> None:
+    state.record_resident_turbo(r.key, variant=r.variant, file=r.file, bytes=r.nbytes,
+                                device=str(r.module.param_device()), layout=r.layout,
+                                verified=bool(r.contract.extra.get("verified", False)))
+
+
+def get(path: str, dims: dict[str, tuple[int, int]] | None = None) -> ResidentAdapter:
+    """The resident adapter for ``path``: from the cache (by content hash) or loaded now.
+
+    ``dims``: the requesting model's targets ({target: (out, in)}, see ``turbo_lora.model_target_dims``);
+    when given, the adapter is validated against them and a newly loaded adapter that does not fit is
+    not cached. Raises turbo_lora.TurboLoRAError for bad files (nothing is cached then).
+    """
+    with _lock:
+        sha = turbo_lora.cached_sha256(path)
+        if sha is None:
+            if not os.path.isfile(path):
+                raise turbo_lora.TurboLoRAError(f"Turbo LoRA file not found: {path}")
+            turbo_lora.read_header(path)  # fail fast on non-safetensors files before hashing
+            sha = turbo_lora.sha256_file(path)
+        hit = _cache.get(sha)
+        if hit is not None:
+            _cache.move_to_end(sha)
+            LOAD_STATS["hits"] += 1
+            if os.path.realpath(hit.path) != os.path.realpath(path):
+                log.info("Turbo LoRA %s has the same content as resident %s; reusing it", path, hit.path)
+            if dims is not None:
+                hit.validate_for(dims)
+            return hit
+        lora = turbo_lora.load_turbo_lora(path, sha256=sha)
+        LOAD_STATS["loads"] += 1
+        module = AdapterModule(lora)
+        res = ResidentAdapter(sha, path, lora.contract, lora.layout, lora.key_style, module, list(lora.notes))
+        del lora
+        if dims is not None:
+            res.validate_for(dims)
+        _cache[sha] = res
+        _record(res)
+        _evict(keep=sha)
+        log.info("Turbo LoRA %s loaded: %s, %d targets, %.1f MiB, contract %s (%s)", path, res.layout,
+                 len(module.targets), res.nbytes / 2**20, res.variant, res.contract.source)
+        return res
+
+
+def _evict(keep: str) -> None:
+    budget = budget_bytes()
+    total = sum(r.nbytes for r in _cache.values())
+    for k in list(_cache.keys()):
+        if total <= budget:
+            break
+        if k == keep:
+            continue
+        r = _cache.pop(k)
+        total -= r.nbytes
+        LOAD_STATS["evictions"] += 1
+        state.drop_resident_turbo(k)
+        log.info("Turbo LoRA %s evicted from the resident cache (budget %d MiB)", r.path, budget >> 20)
+    if total > budget:
+        log.warning("Turbo LoRA residency: %.1f MiB resident exceeds %s=%d MiB (the adapter in use is kept)",
+                    total / 2**20, BUDGET_ENV, budget >> 20)
+
+
+def resident_keys() -> list[str]:
+    """Cache keys (SHA-256), least recently used first."""
+    with _lock:
+        return list(_cache.keys())
+
+
+def clear() -> None:
+    """Drop every cached adapter (tests)."""
+    with _lock:
+        for k in list(_cache.keys()):
+            state.drop_resident_turbo(k)
+        _cache.clear()
+
+
+def note_sampling_run(model_options: dict) -> str:
+    """Record in ``state`` which Turbo adapter the sampling run that starts now uses ("none" if off).
+
+    Idempotent; reads ``model_options["h3_turbo"]["adapter"]`` (set by :func:`install`). Returns the name.
+    """
+    entry = (model_options or {}).get(contracts.MODEL_OPTIONS_KEY) or {}
+    name = entry.get("adapter") or "none"
+    state.set_current_turbo(name)
+    return name
+
+
+def install(model_patcher, resident: ResidentAdapter, strength: float, alias: str) -> tuple:
+    """Install the branch of ``resident`` at ``strength`` on ``model_patcher`` (must be a CLONE).
+
+    Validates against the model's targets first (raises TurboLoRAError, nothing changed), then:
+    injections (key ``h3turbo_lora``), a DIFFUSION_MODEL coverage wrapper, an OUTER_SAMPLE wrapper that
+    records the current Turbo in ``state``, the adapter as additional model, and the contract
+    (``contracts.attach(..., adapter=alias, adapter_file=..., strength=...)``). Returns (branch, patcher).
+    """
+    import comfy.patcher_extension as pe
+
+    dm = model_patcher.model.diffusion_model
+    resident.validate_for(turbo_lora.model_target_dims(dm))
+    branch = TurboBranch(resident.module, strength, name=alias)
+    model_patcher.set_injections(WRAPPER_KEY, branch.patcher_injections())
+    model_patcher.remove_wrappers_with_key(pe.WrappersMP.DIFFUSION_MODEL, WRAPPER_KEY)
+    model_patcher.add_wrapper_with_key(pe.WrappersMP.DIFFUSION_MODEL, WRAPPER_KEY, branch.diffusion_model_wrapper())
+
+    def on_start():
+        state.set_current_turbo(alias)
+        with _lock:
+            if resident.key in _cache:
+                _record(resident)
+
+    model_patcher.remove_wrappers_with_key(pe.WrappersMP.OUTER_SAMPLE, WRAPPER_KEY)
+    model_patcher.add_wrapper_with_key(pe.WrappersMP.OUTER_SAMPLE, WRAPPER_KEY, branch.outer_sample_wrapper(on_start))
+    model_patcher.set_additional_models(WRAPPER_KEY, [resident.patcher()])
+    contracts.attach(model_patcher, resident.contract, adapter=alias, adapter_file=resident.file,
+                     adapter_sha256=resident.key, strength=float(strength))
+    return branch, model_patcher

@@ -1,0 +1,593 @@
+"""Turbo LoRA files: read, recognize, validate and convert to the canonical fused (ComfyUI) form.
+
+No ComfyUI import here: everything works on plain torch tensors and safetensors files, so it is
+testable and usable before any model is touched.
+
+Canonical form (H3_FACTS §4, research/lightx2v-h3.md §1.1), one entry per target
+``<block>.<proj>`` with block in ``blocks.N`` / ``token_refiner.blocks.N`` and proj in
+``attn.qkv_proj``, ``attn.out_proj``, ``mlp.fc1``, ``mlp.fc2``:
+
+- ``A`` bf16 [R, in], ``B`` bf16 [out, R], ``alpha`` float (fp32 on disk), ``rank`` R = A.shape[0];
+- qkv: R = 3r, A = cat(A_q; A_k; A_v), B = block_diag(B_q, B_k, B_v), alpha = 3*alpha_r;
+- fc1: B rows [gate; up] (ComfyUI order).
+
+The branch adds ``strength * (alpha / R) * B @ (A @ x)``. Accepted file layouts:
+
+- ComfyUI: ``diffusion_model.<target>.{lora_A.weight, lora_B.weight, alpha}`` (the official files), also
+  bare ``<target>.*`` keys and the PEFT ``.lora_A.default.weight`` infix;
+- Diffusers twin: ``transformer_blocks.N`` / ``token_refiner.refiner_blocks.N`` with
+  ``attn.to_q|to_k|to_v|to_out.0`` and ``ff.net.0.proj`` (rows [up; gate]) / ``ff.net.2``, PEFT
+  ``.lora_A(.default).weight``; no alpha tensors: alpha = ``__metadata__["alpha"]`` (8 when absent, the
+  reference trainer's default). Converted EXACTLY to the fused form (concat A, block-diagonal B,
+  alpha x3 for qkv, fc1 halves swapped).
+
+Errors are :class:`TurboLoRAError` (a ``ValueError``) naming the file, listing the first offending keys
+and the counts.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import re
+import threading
+from dataclasses import dataclass, field
+
+import torch
+
+from . import contracts
+
+log = logging.getLogger("h3_turbo")
+
+PROJECTIONS = ("attn.qkv_proj", "attn.out_proj", "mlp.fc1", "mlp.fc2")
+DIFFUSERS_DEFAULT_ALPHA = 8.0  # reference trainer default when __metadata__["alpha"] is absent (lightx2v-h3.md §1.2)
+_SHOW = 5  # keys shown per error list
+
+# Keys of other H3 modules: an adapter touching them was made for another base layout.
+_FOREIGN_MODULE_RE = re.compile(
+    r"(adaln_proj|adaln_t_table|final_layer|video_patch_proj|audio_patch_proj|condition_proj|"
+    r"time_embedder|norm_out|proj_out|patch_embed|time_text_embed|norm1|norm2|q_norm|k_norm)")
+
+_COMFY_RE = re.compile(
+    r"^(?:diffusion_model\.|model\.diffusion_model\.)?"
+    r"(?P<block>blocks\.\d+|token_refiner\.blocks\.\d+)\."
+    r"(?P<proj>attn\.qkv_proj|attn\.out_proj|mlp\.fc1|mlp\.fc2)\."
+    r"(?P<part>lora_A(?:\.default)?\.weight|lora_B(?:\.default)?\.weight|alpha)$")
+
+_DIFF_RE = re.compile(
+    r"^(?:transformer\.|base_model\.model\.)?"
+    r"(?P<block>transformer_blocks\.\d+|token_refiner\.refiner_blocks\.\d+)\."
+    r"(?P<proj>attn\.to_q|attn\.to_k|attn\.to_v|attn\.to_out\.0|ff\.net\.0\.proj|ff\.net\.2)\."
+    r"(?P<part>lora_A(?:\.default)?\.weight|lora_B(?:\.default)?\.weight|alpha)$")
+
+_DIFF_PROJ = {"attn.to_q": ("attn.qkv_proj", 0), "attn.to_k": ("attn.qkv_proj", 1),
+              "attn.to_v": ("attn.qkv_proj", 2), "attn.to_out.0": ("attn.out_proj", None),
+              "ff.net.0.proj": ("mlp.fc1", None), "ff.net.2": ("mlp.fc2", None)}
+
+
+class TurboLoRAError(ValueError):
+    """A Turbo LoRA file that cannot be used (message names the file, the keys and what was expected)."""
+
+
+def _part(p: str) -> str:
+    return "A" if p.startswith("lora_A") else "B" if p.startswith("lora_B") else "alpha"
+
+
+def _listing(title: str, items: list[str]) -> str:
+    items = sorted(items, key=_natural)
+    more = f" (+{len(items) - _SHOW} more)" if len(items) > _SHOW else ""
+    return f"{title}: {len(items)} [{', '.join(items[:_SHOW])}{more}]"
+
+
+def _natural(s: str):
+    return [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", s)]
+
+
+def target_names(num_blocks: int = 50, refiner_blocks: int = 2) -> list[str]:
+    """The official target names: 4 projections of ``blocks.0..num_blocks-1`` then the refiner blocks.
+
+    Full H3: 52 x 4 = 208 targets (624 tensors in a file).
+    """
+    pfx = [f"blocks.{i}" for i in range(num_blocks)] + [f"token_refiner.blocks.{j}" for j in range(refiner_blocks)]
+    return [f"{p}.{proj}" for p in pfx for proj in PROJECTIONS]
+
+
+def model_target_dims(diffusion_model) -> dict[str, tuple[int, int]]:
+    """{target: (out_features, in_features)} of an H3 ``diffusion_model`` (ComfyUI ``MiniMaxH3Model``).
+
+    Reads ``in_features``/``out_features`` of each projection module (quantized layers report the
+    logical sizes). Raises TurboLoRAError if the model has no ``blocks``.
+    """
+    out: dict[str, tuple[int, int]] = {}
+    blocks = getattr(diffusion_model, "blocks", None)
+    if blocks is None:
+        raise TurboLoRAError("the MODEL is not a MiniMax H3 diffusion model (no .blocks): a Turbo LoRA needs H3")
+    refiner = getattr(getattr(diffusion_model, "token_refiner", None), "blocks", None) or []
+    for pfx, blist in (("blocks", blocks), ("token_refiner.blocks", refiner)):
+        for i, _ in enumerate(blist):
+            for proj in PROJECTIONS:
+                name = f"{pfx}.{i}.{proj}"
+                m = diffusion_model.get_submodule(name)
+                o = getattr(m, "out_features", None)
+                n = getattr(m, "in_features", None)
+                if o is None or n is None:
+                    o, n = tuple(m.weight.shape)
+                out[name] = (int(o), int(n))
+    return out
+
+
+@dataclass
+class TargetLoRA:
+    """One target in canonical form. ``A`` bf16 [R, in]; ``B`` bf16 [out, R]; ``alpha`` (float); R = rank.
+
+    ``splits`` = 3 when B is exactly block-diagonal in thirds (fused qkv: apply as three rank-R/3
+    products), else 1.
+    """
+
+    A: torch.Tensor
+    B: torch.Tensor
+    alpha: float
+    splits: int = 1
+
+    @property
+    def rank(self) -> int:
+        return int(self.A.shape[0])
+
+    @property
+    def scale(self) -> float:
+        """alpha / rank (the LoRA scale before ``strength``)."""
+        return self.alpha / self.rank
+
+    def b_parts(self) -> list[torch.Tensor]:
+        """The diagonal blocks of B ([out/3, R/3] each) when ``splits == 3``, else [B]."""
+        if self.splits == 1:
+            return [self.B]
+        o, r = self.B.shape[0] // 3, self.rank // 3
+        return [self.B[j * o:(j + 1) * o, j * r:(j + 1) * r].contiguous() for j in range(3)]
+
+    def delta_weight(self, dtype=torch.float64) -> torch.Tensor:
+        """(alpha/rank) * B @ A in ``dtype`` [out, in] (reference / tests)."""
+        return self.scale * (self.B.to(dtype) @ self.A.to(dtype))
+
+
+@dataclass
+class TurboLoRA:
+    """A Turbo LoRA file in canonical form. ``targets``: {target: TargetLoRA}; ``nbytes``: tensor bytes.
+
+    ``layout``: "comfy" or "diffusers" (converted); ``key_style``: "diffusion_model." / "bare" / "peft" /
+    "diffusers"; ``contract``: the TurboContract (variant "unknown" when none could be derived).
+    """
+
+    path: str
+    sha256: str
+    targets: dict[str, TargetLoRA]
+    metadata: dict[str, str]
+    layout: str
+    key_style: str
+    contract: contracts.TurboContract
+    nbytes: int
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def file(self) -> str:
+        return os.path.basename(self.path)
+
+    @property
+    def variant(self) -> str:
+        return self.contract.variant
+
+    def validate_for(self, dims: dict[str, tuple[int, int]]) -> None:
+        """Check this adapter against a model's targets ``{target: (out, in)}`` (see :func:`model_target_dims`).
+
+        Raises ONE TurboLoRAError listing missing targets, targets the model does not have, and
+        targets whose A/B shapes do not match the model's in/out features (with counts).
+        """
+        validate_targets({t: (tuple(tl.A.shape), tuple(tl.B.shape)) for t, tl in self.targets.items()},
+                         dims, self.path)
+
+
+def validate_targets(shapes: dict[str, tuple[tuple, tuple]], dims: dict[str, tuple[int, int]], path: str) -> None:
+    """See :meth:`TurboLoRA.validate_for`. ``shapes``: {target: (A shape [R, in], B shape [out, R])}."""
+    targets = shapes
+    missing = [t for t in dims if t not in targets]
+    extra = [t for t in targets if t not in dims]
+    bad = []
+    for t, (a_shape, b_shape) in targets.items():
+        if t not in dims:
+            continue
+        o, n = dims[t]
+        if a_shape[1] != n or b_shape[0] != o:
+            bad.append(f"{t}: A {list(a_shape)} B {list(b_shape)} vs model [out {o}, in {n}]")
+    if not (missing or extra or bad):
+        return
+    parts = [f"Turbo LoRA {os.path.basename(path)!r} does not fit this model ({len(dims)} targets expected, "
+             f"{len(targets)} in the file)"]
+    if missing:
+        parts.append(_listing("missing targets", missing))
+    if extra:
+        parts.append(_listing("targets this model does not have", extra))
+    if bad:
+        parts.append(_listing("wrong hidden sizes", bad))
+    hint = ""
+    if bad or extra:
+        hint = (" It was made for a different H3 (other width or depth): Turbo LoRAs must match the base "
+                "they were trained on.")
+    raise TurboLoRAError("; ".join(parts) + "." + hint + f" File: {path}")
+
+
+# ---------------------------------------------------------------------------------------------
+# Hashing (cached by path + size + mtime: a 2 GB file is hashed once per process)
+# ---------------------------------------------------------------------------------------------
+_hash_lock = threading.Lock()
+_hash_cache: dict[tuple[str, int, int], str] = {}
+HASH_STATS = {"hashed": 0}
+
+
+def _stat_key(path: str) -> tuple[str, int, int]:
+    st = os.stat(path)
+    return (os.path.realpath(path), int(st.st_size), int(st.st_mtime_ns))
+
+
+def sha256_file(path: str) -> str:
+    """SHA-256 (lowercase hex) of a file, cached per process by (real path, size, mtime_ns)."""
+    key = _stat_key(path)
+    with _hash_lock:
+        hit = _hash_cache.get(key)
+    if hit is not None:
+        return hit
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(16 << 20), b""):
+            h.update(chunk)
+    digest = h.hexdigest()
+    with _hash_lock:
+        _hash_cache[key] = digest
+        HASH_STATS["hashed"] += 1
+    return digest
+
+
+def cached_sha256(path: str) -> str | None:
+    """The cached SHA-256 of ``path`` if it was already hashed in this process (no I/O beyond stat)."""
+    try:
+        key = _stat_key(path)
+    except OSError:
+        return None
+    with _hash_lock:
+        return _hash_cache.get(key)
+
+
+def read_header(path: str) -> tuple[dict[str, dict], dict[str, str]]:
+    """The safetensors header of ``path``: ({key: {"dtype", "shape", ...}}, __metadata__). Reads only the header.
+
+    Raises TurboLoRAError (naming the file) when it is not a safetensors file.
+    """
+    try:
+        with open(path, "rb") as f:
+            raw = f.read(8)
+            if len(raw) != 8:
+                raise ValueError("shorter than 8 bytes")
+            n = int.from_bytes(raw, "little")
+            if n <= 0 or n > 100_000_000:
+                raise ValueError(f"header length {n} out of range")
+            hdr = json.loads(f.read(n))
+    except (OSError, ValueError) as e:
+        raise TurboLoRAError(f"Turbo LoRA {path}: not a readable safetensors file ({e}); "
+                             "a partial download or a git-LFS pointer?") from e
+    meta = hdr.pop("__metadata__", None) or {}
+    return hdr, {str(k): str(v) for k, v in meta.items()}
+
+
+# ---------------------------------------------------------------------------------------------
+# Contracts
+# ---------------------------------------------------------------------------------------------
+def contract_for(path: str, metadata: dict[str, str], sha: str | None) -> contracts.TurboContract:
+    """The Turbo contract of a file: known artifact by SHA-256, else by file name, else from the
+    ``h3_turbo_fixture`` metadata JSON (source "metadata"), else variant "unknown".
+
+    A file named like an official artifact whose published SHA-256 differs gets the official contract
+    with ``extra={"verified": False}`` and a warning (the alpha check still applies).
+    """
+    name = os.path.basename(path)
+    if sha:
+        art = contracts.by_sha256(sha)
+        if art is not None:
+            return _with(art.contract, name=name, sha256=sha, source="known-artifact", extra={"verified": True})
+    art = contracts.by_filename(name)
+    if art is not None:
+        verified = False
+        if art.sha256 and sha and art.sha256 != sha:
+            log.warning("Turbo LoRA %s: file name is the official %s but its SHA-256 %s differs from the "
+                        "published %s; using the official contract, unverified", path, art.contract.variant,
+                        sha, art.sha256)
+        return _with(art.contract, name=name, sha256=sha, source="known-artifact",
+                     extra={"verified": verified, "matched": "filename"})
+    fx = metadata.get("h3_turbo_fixture")
+    if fx:
+        try:
+            d = json.loads(fx)
+            nfe = int(d["nfe"])
+            sv, sa = float(d["shift_video"]), float(d["shift_audio"])
+        except (ValueError, KeyError, TypeError) as e:
+            raise TurboLoRAError(f"Turbo LoRA {path}: __metadata__['h3_turbo_fixture'] is not valid "
+                                 f"(need JSON with nfe, shift_video, shift_audio): {fx!r} ({e})") from e
+        ts = metadata.get("training_scale")
+        return contracts.TurboContract(f"{nfe}step", nfe, sv, sa, float(ts) if ts else None, name, sha,
+                                       "metadata", {"verified": False})
+    return contracts.TurboContract("unknown", 0, 0.0, 0.0, None, name, sha, "unknown", {"verified": False})
+
+
+def _with(c: contracts.TurboContract, **kw) -> contracts.TurboContract:
+    d = c.as_dict()
+    d.update(kw)
+    return contracts.TurboContract(**d)
+
+
+_variant_cache: dict[tuple[str, int, int], str | None] = {}
+
+
+def metadata_variant(path: str) -> str | None:
+    """Alias ("4step"/"8step"...) of a file from its name (official) or its header metadata; no hashing.
+
+    Returns None when the file is not recognizably a Turbo LoRA. Cached by (path, size, mtime).
+    """
+    art = contracts.by_filename(os.path.basename(path))
+    if art is not None:
+        return art.contract.variant
+    try:
+        key = _stat_key(path)
+    except OSError:
+        return None
+    if key not in _variant_cache:
+        _variant_cache[key] = _header_variant(path)
+    return _variant_cache[key]
+
+
+def _header_variant(path: str) -> str | None:
+    try:
+        _, meta = read_header(path)
+    except TurboLoRAError:
+        return None
+    fx = meta.get("h3_turbo_fixture")
+    if not fx:
+        return None
+    try:
+        return f"{int(json.loads(fx)['nfe'])}step"
+    except (ValueError, KeyError, TypeError):
+        return None
+
+
+# ---------------------------------------------------------------------------------------------
+# Parsing and conversion
+# ---------------------------------------------------------------------------------------------
+def classify_keys(keys, path: str) -> tuple[str, str, dict]:
+    """Map file keys to targets. Returns (layout, key_style, mapping) where mapping is
+    {target: {"A"|"B"|"alpha" or ("A", j)...: key}}. Raises TurboLoRAError for foreign/unknown keys.
+    """
+    comfy: dict = {}
+    diff: dict = {}
+    foreign, unknown = [], []
+    styles = set()
+    for k in keys:
+        m = _COMFY_RE.match(k)
+        if m:
+            t = f"{m['block']}.{m['proj']}"
+            comfy.setdefault(t, {})[_part(m["part"])] = k
+            styles.add("peft" if ".default." in k else "diffusion_model." if "diffusion_model." in k else "bare")
+            continue
+        m = _DIFF_RE.match(k)
+        if m:
+            blk = m["block"].replace("transformer_blocks.", "blocks.").replace(
+                "token_refiner.refiner_blocks.", "token_refiner.blocks.")
+            proj, j = _DIFF_PROJ[m["proj"]]
+            part = _part(m["part"])
+            diff.setdefault(f"{blk}.{proj}", {})[part if j is None else (part, j)] = k
+            continue
+        (foreign if _FOREIGN_MODULE_RE.search(k) else unknown).append(k)
+    fname = os.path.basename(path)
+    if foreign:
+        raise TurboLoRAError(
+            f"Turbo LoRA {fname!r} also targets modules outside the 208 block projections "
+            f"({_listing('keys', foreign)}). The official Turbo LoRAs touch only attn.qkv_proj/out_proj and "
+            "mlp.fc1/fc2: this adapter was made for a different base (e.g. an unpruned H3 with per-block "
+            "adaln_proj, while pruned checkpoints replace AdaLN with adaln_t_table) and is refused. "
+            f"File: {path}")
+    if unknown:
+        raise TurboLoRAError(f"Turbo LoRA {fname!r}: keys that are not H3 Turbo LoRA keys "
+                             f"({_listing('keys', unknown)}); expected diffusion_model.blocks.N.<attn.qkv_proj|"
+                             f"attn.out_proj|mlp.fc1|mlp.fc2>.<lora_A.weight|lora_B.weight|alpha>. File: {path}")
+    if comfy and diff:
+        raise TurboLoRAError(f"Turbo LoRA {fname!r} mixes ComfyUI keys ({len(comfy)} targets) and Diffusers keys "
+                             f"({len(diff)} targets); refusing an ambiguous file. File: {path}")
+    if not comfy and not diff:
+        raise TurboLoRAError(f"Turbo LoRA {fname!r} has no LoRA tensors. File: {path}")
+    if comfy:
+        style = "peft" if "peft" in styles else ("diffusion_model." if styles == {"diffusion_model."} else
+                                                 "bare" if styles == {"bare"} else "mixed")
+        return "comfy", style, comfy
+    return "diffusers", "diffusers", diff
+
+
+def _alpha_value(t: torch.Tensor, key: str, path: str) -> float:
+    if t.numel() != 1:
+        raise TurboLoRAError(f"Turbo LoRA {os.path.basename(path)!r}: {key} has shape {list(t.shape)}, "
+                             f"expected a scalar alpha. File: {path}")
+    return float(t.reshape(()).float().item())
+
+
+def _is_block_diag3(B: torch.Tensor) -> bool:
+    o, R = B.shape
+    if o % 3 or R % 3:
+        return False
+    mask = torch.ones(o, R, dtype=torch.bool)
+    oo, rr = o // 3, R // 3
+    for j in range(3):
+        mask[j * oo:(j + 1) * oo, j * rr:(j + 1) * rr] = False
+    return not bool(B[mask].any())
+
+
+def canonicalize(tensors: dict[str, torch.Tensor], metadata: dict[str, str], path: str
+                 ) -> tuple[dict[str, TargetLoRA], str, str, list[str]]:
+    """Turn a file's tensors into canonical targets. Returns (targets, layout, key_style, notes).
+
+    Checks per target: A and B present, A 2-D [R, in], B 2-D [out, R] with matching R, alpha present
+    (ComfyUI layout) and scalar, alpha/R equal to ``__metadata__["training_scale"]`` when present.
+    Raises ONE TurboLoRAError listing every problem found.
+    """
+    fname = os.path.basename(path)
+    layout, style, mapping = classify_keys(tensors.keys(), path)
+    notes: list[str] = []
+    problems: dict[str, list[str]] = {}
+
+    def bad(kind, item):
+        problems.setdefault(kind, []).append(item)
+
+    out: dict[str, TargetLoRA] = {}
+    if layout == "diffusers":
+        if "alpha" in metadata:
+            try:
+                alpha_r = float(metadata["alpha"])
+            except ValueError as e:
+                raise TurboLoRAError(f"Turbo LoRA {fname!r}: __metadata__['alpha'] = {metadata['alpha']!r} is "
+                                     f"not a number. File: {path}") from e
+        else:
+            alpha_r = DIFFUSERS_DEFAULT_ALPHA
+            notes.append(f"Diffusers twin without __metadata__['alpha']: alpha {alpha_r:g} (reference default)")
+            log.warning("Turbo LoRA %s: Diffusers layout without __metadata__['alpha']; using the reference "
+                        "trainer default alpha %g", path, alpha_r)
+        for t, parts in mapping.items():
+            if any(p == "alpha" or (isinstance(p, tuple) and p[0] == "alpha") for p in parts):
+                bad("alpha tensors in a Diffusers layout (alpha must come from __metadata__)", t)
+                continue
+            qkv = t.endswith("attn.qkv_proj")
+            need = [("A", j) for j in range(3)] + [("B", j) for j in range(3)] if qkv else ["A", "B"]
+            miss = [p for p in need if p not in parts]
+            if miss:
+                bad("targets with missing lora_A/lora_B tensors", f"{t} (missing {miss})")
+                continue
+            if qkv:
+                As = [tensors[parts[("A", j)]] for j in range(3)]
+                Bs = [tensors[parts[("B", j)]] for j in range(3)]
+                shp = {(tuple(a.shape), tuple(b.shape)) for a, b in zip(As, Bs)}
+                if len(shp) != 1 or any(a.dim() != 2 or b.dim() != 2 or a.shape[0] != b.shape[1] for a, b in zip(As, Bs)):
+                    bad("inconsistent q/k/v shapes", f"{t}: " + ", ".join(
+                        f"A {list(a.shape)} B {list(b.shape)}" for a, b in zip(As, Bs)))
+                    continue
+                A = torch.cat(As, 0)
+                B = torch.block_diag(*Bs)
+                alpha = 3.0 * alpha_r
+            else:
+                A, B = tensors[parts["A"]], tensors[parts["B"]]
+                if t.endswith("mlp.fc1"):
+                    if B.dim() != 2 or B.shape[0] % 2:
+                        bad("fc1 B with an odd number of rows", f"{t}: B {list(B.shape)}")
+                        continue
+                    h = B.shape[0] // 2
+                    B = torch.cat([B[h:], B[:h]], 0)  # Diffusers [value; gate] -> ComfyUI [gate; value]
+                alpha = alpha_r
+            out[t] = TargetLoRA(A.to(torch.bfloat16).contiguous(), B.to(torch.bfloat16).contiguous(), alpha)
+    else:
+        for t, parts in mapping.items():
+            miss = [p for p in ("A", "B", "alpha") if p not in parts]
+            if miss:
+                names = {"A": "lora_A.weight", "B": "lora_B.weight", "alpha": "alpha"}
+                bad("targets without rank/alpha (missing lora_A, lora_B or alpha)",
+                    f"{t} (missing {'/'.join(names[m] for m in miss)})")
+                continue
+            out[t] = TargetLoRA(tensors[parts["A"]].to(torch.bfloat16).contiguous(),
+                                tensors[parts["B"]].to(torch.bfloat16).contiguous(),
+                                _alpha_value(tensors[parts["alpha"]], parts["alpha"], path))
+    # shapes, rank, alpha consistency
+    ts = metadata.get("training_scale")
+    try:
+        ts_val = float(ts) if ts is not None else None
+    except ValueError:
+        bad("__metadata__ training_scale not a number", repr(ts))
+        ts_val = None
+    for t, tl in list(out.items()):
+        A, B = tl.A, tl.B
+        if A.dim() != 2 or B.dim() != 2 or A.shape[0] != B.shape[1] or A.shape[0] == 0:
+            bad("A/B shapes that are not [R, in] / [out, R]", f"{t}: A {list(A.shape)} B {list(B.shape)}")
+            out.pop(t)
+            continue
+        if not (tl.alpha == tl.alpha) or tl.alpha == float("inf"):
+            bad("non-finite alpha", f"{t}: {tl.alpha}")
+        if ts_val is not None and abs(tl.scale - ts_val) > 1e-6 * max(1.0, abs(ts_val)):
+            bad("alpha/rank disagreeing with __metadata__ training_scale "
+                f"{ts_val:g}", f"{t}: alpha {tl.alpha:g} / rank {tl.rank} = {tl.scale:g}")
+        if t.endswith("attn.qkv_proj"):
+            if _is_block_diag3(B):
+                tl.splits = 3
+            else:
+                notes.append(f"{t}: fused qkv B is not block-diagonal; applied as one rank-{tl.rank} product")
+    if problems:
+        parts_ = [_listing(k, v) for k, v in problems.items()]
+        raise TurboLoRAError(f"Turbo LoRA {fname!r} is not valid: " + "; ".join(parts_) + f". File: {path}")
+    nd = [n for n in notes if "not block-diagonal" in n]
+    if nd:
+        log.warning("Turbo LoRA %s: %d fused qkv targets are not block-diagonal (applied at full rank), e.g. %s",
+                    path, len(nd), nd[0])
+    return out, layout, style, notes
+
+
+def check_contract_alpha(targets: dict[str, TargetLoRA], contract: contracts.TurboContract, path: str) -> None:
+    """Raise TurboLoRAError when a known artifact's expected alpha/rank differs from the file's (any target)."""
+    exp = contract.alpha_over_rank
+    if exp is None or contract.source != "known-artifact":
+        return
+    bad = [f"{t}: {tl.scale:g}" for t, tl in targets.items() if abs(tl.scale - exp) > 1e-6 * max(1.0, exp)]
+    if bad:
+        raise TurboLoRAError(
+            f"Turbo LoRA {os.path.basename(path)!r} is recognized as {contract.name} ({contract.variant}), whose "
+            f"alpha/rank is {exp:g}, but the file says otherwise ({_listing('targets', bad)}). Wrong or re-exported "
+            f"file: it would be applied at the wrong strength. File: {path}")
+
+
+def load_turbo_lora(path: str, sha256: str | None = None) -> TurboLoRA:
+    """Read, validate (model-independent checks), convert and recognize a Turbo LoRA file.
+
+    ``sha256``: the file's SHA-256 when already known (else computed, cached per process).
+    Model-dependent checks: :meth:`TurboLoRA.validate_for`. Raises TurboLoRAError.
+    """
+    from safetensors import safe_open
+
+    if not os.path.isfile(path):
+        raise TurboLoRAError(f"Turbo LoRA file not found: {path}")
+    _, metadata = read_header(path)  # clear error for non-safetensors files
+    sha = sha256 or sha256_file(path)
+    tensors: dict[str, torch.Tensor] = {}
+    with safe_open(path, framework="pt", device="cpu") as f:
+        for k in f.keys():
+            tensors[k] = f.get_tensor(k)
+    targets, layout, style, notes = canonicalize(tensors, metadata, path)
+    del tensors
+    contract = contract_for(path, metadata, sha)
+    check_contract_alpha(targets, contract, path)
+    if contract.variant == "unknown":
+        log.warning("Turbo LoRA %s: not a known official artifact and no contract metadata; contract 'unknown' "
+                    "(the sampler will not enforce steps/shifts)", path)
+    nbytes = sum(tl.A.numel() * tl.A.element_size() + tl.B.numel() * tl.B.element_size() for tl in targets.values())
+    return TurboLoRA(path, sha, targets, metadata, layout, style, contract, nbytes, notes)
+
+
+def alias_table(files: dict[str, str]) -> dict[str, str]:
+    """{alias: file name} for the Turbo LoRAs among ``files`` ({name in the loras folder: full path}).
+
+    Official artifacts recognized by file name win, in ``contracts.KNOWN_ARTIFACTS`` order (so the
+    4-step v1.1 and 8-step v1.0 files of seeds/TURBO.md come first); files whose header carries the
+    ``h3_turbo_fixture`` contract (our tiny fixtures) get their "<nfe>step" alias only when no official
+    file claims it (first by sorted name). Execution still hashes and checks the chosen file.
+    """
+    out: dict[str, str] = {}
+    by_base = {os.path.basename(n): n for n in files}
+    for art in contracts.KNOWN_ARTIFACTS:
+        n = by_base.get(art.filename)
+        if n is not None and art.contract.variant not in out:
+            out[art.contract.variant] = n
+    for n in sorted(files, key=_natural):
+        if contracts.by_filename(os.path.basename(n)) is not None:
+            continue
+        v = metadata_variant(files[n])
+        if v and v not in out:
+            out[v] = n
+    return out

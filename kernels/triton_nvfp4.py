@@ -1,0 +1,296 @@
+"""Triton kernels for NVFP4 weights on GPUs without FP4 tensor cores (Hopper, Ada, Ampere).
+
+- :func:`gemm_exact`: fused dequant-GEMM (W4A16). Reads the split-packed E2M1 codes, the plain e4m3
+  block-scale bytes and the fp32 global scale, dequantizes each [BN, 128] weight tile in registers to
+  the activation dtype with the reference formula ``(E2M1[q] * bs) * gs`` (fp32, see
+  :mod:`.nvfp4_ref`), and feeds a bf16/fp16 tensor-core ``tl.dot`` with fp32 accumulation. The full
+  dequantized weight never exists in memory. Optional fused LoRA epilogue
+  ``acc += lora_scale * h[:, blk*r:(blk+1)*r] @ Bc[n, :r]^T`` (block-diagonal qkv: ``blk = n // NB``).
+- :func:`dequant`: the same dequantization written to a [rows, K] tensor (for the tiled cuBLAS path
+  and the FP8 re-expression at load time).
+- :func:`quant_rows_fp8`: per-row FP8 e4m3 activation quantization (amax/448 scales).
+
+The E2M1 decode puts the code's bits into an fp16 (``(c & 8) << 12 | (c & 7) << 9`` = E2M1 * 2^-14,
+exact, subnormal for 0.5) and the e4m3 scale is decoded with integer ops times 2^14, so the product is
+exactly ``E2M1 * bs``. Set ``TRITON_INTERPRET=1`` before importing triton to run these on a CPU.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+@triton.jit
+def _e2m1_x2m14(c):
+    """int32 codes 0..15 -> fp32 E2M1 value * 2^-14 (exact)."""
+    bits = ((c & 8) << 12) | ((c & 7) << 9)
+    return bits.to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+
+
+@triton.jit
+def _e4m3_x2p14(s):
+    """int32 e4m3fn bytes -> fp32 value * 2^14 (exact; NaN bytes are rejected at prepare time)."""
+    e = (s >> 3) & 15
+    normal = (((s & 0x7F) << 20) + (134 << 23)).to(tl.float32, bitcast=True)
+    sub = (s & 7).to(tl.float32) * 32.0
+    v = tl.where(e == 0, sub, normal)
+    return tl.where((s & 0x80) != 0, -v, v)
+
+
+@triton.jit
+def _cast(v, dt: tl.constexpr, INTERP: tl.constexpr):
+    """fp32 -> dt with round-to-nearest-even (the interpreter truncates fp32->bf16, so round by hand)."""
+    if INTERP and dt == tl.bfloat16:
+        b = v.to(tl.uint32, bitcast=True)
+        b = (b + 0x7FFF + ((b >> 16) & 1)) & 0xFFFF0000
+        v = b.to(tl.float32, bitcast=True)
+    return v.to(dt)
+
+
+@triton.jit
+def _mma(a, b, acc, INTERP: tl.constexpr):
+    """acc += a @ b; the interpreter's bf16 dot is broken, so it multiplies exact fp32 copies there."""
+    if INTERP:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+    return tl.dot(a, b, acc)
+
+
+@triton.jit
+def _nvfp4_gemm_kernel(x_ptr, q_ptr, s_ptr, gs_ptr, out_ptr, h_ptr, b_ptr, lora_scale,
+                       M, N, K, NKB, stride_xm, stride_om, stride_hm, R, NB,
+                       M_BUCKET, INTERP: tl.constexpr,
+                       HAS_LORA: tl.constexpr, BR: tl.constexpr, EVEN_K: tl.constexpr,
+                       BM: tl.constexpr, BN: tl.constexpr, GROUP_M: tl.constexpr, SWAP: tl.constexpr):
+    """SWAP=False: acc[BM, BN] = x @ W^T (W through shared memory). SWAP=True: acc[BN, BM] = W @ x^T,
+    the dequantized W is the register (A) operand of the tensor-core MMA (no shared-memory round trip)."""
+    pid = tl.program_id(0)
+    num_pid_m = tl.cdiv(M, BM)
+    num_pid_n = tl.cdiv(N, BN)
+    num_in_group = GROUP_M * num_pid_n
+    group_id = pid // num_in_group
+    first_m = group_id * GROUP_M
+    gsize = min(num_pid_m - first_m, GROUP_M)
+    pid_m = first_m + ((pid % num_in_group) % gsize)
+    pid_n = (pid % num_in_group) // gsize
+
+    offs_m = pid_m * BM + tl.arange(0, BM)
+    offs_n = pid_n * BN + tl.arange(0, BN)
+    rm = offs_m % M
+    rn = offs_n % N
+    ak = tl.arange(0, 64)
+    g4 = tl.arange(0, 4)
+    j16 = tl.arange(0, 16)
+    q_ptrs = q_ptr + rn[:, None, None] * (NKB * 64) + g4[None, :, None] * 16 + j16[None, None, :]
+    s_ptrs = s_ptr + rn[:, None] * (NKB * 8) + g4[None, :]
+    x_ptrs = x_ptr + rm[:, None] * stride_xm + ak[None, :]
+    gs = tl.load(gs_ptr)
+    if SWAP:
+        acc = tl.zeros((BN, BM), dtype=tl.float32)
+    else:
+        acc = tl.zeros((BM, BN), dtype=tl.float32)
+    for kb in range(0, NKB):
+        p = tl.load(q_ptrs).to(tl.int32)
+        s_hi = _e4m3_x2p14(tl.load(s_ptrs).to(tl.int32))
+        s_lo = _e4m3_x2p14(tl.load(s_ptrs + 4).to(tl.int32))
+        if EVEN_K:
+            xa = tl.load(x_ptrs)
+            xb = tl.load(x_ptrs + 64)
+        else:
+            k0 = kb * 128
+            xa = tl.load(x_ptrs, mask=(k0 + ak)[None, :] < K, other=0.0)
+            xb = tl.load(x_ptrs + 64, mask=(k0 + 64 + ak)[None, :] < K, other=0.0)
+        w_hi = (_e2m1_x2m14(p >> 4) * s_hi[:, :, None]) * gs
+        w_lo = (_e2m1_x2m14(p & 15) * s_lo[:, :, None]) * gs
+        w_hi = tl.reshape(_cast(w_hi, x_ptr.dtype.element_ty, INTERP), (BN, 64))
+        w_lo = tl.reshape(_cast(w_lo, x_ptr.dtype.element_ty, INTERP), (BN, 64))
+        if SWAP:
+            acc = _mma(w_hi, tl.trans(xa), acc, INTERP)
+            acc = _mma(w_lo, tl.trans(xb), acc, INTERP)
+        else:
+            acc = _mma(xa, tl.trans(w_hi), acc, INTERP)
+            acc = _mma(xb, tl.trans(w_lo), acc, INTERP)
+        q_ptrs += 64
+        s_ptrs += 8
+        x_ptrs += 128
+    if HAS_LORA:
+        blk = (pid_n * BN) // NB
+        ar = tl.arange(0, BR)
+        if SWAP:
+            lacc = tl.zeros((BN, BM), dtype=tl.float32)
+        else:
+            lacc = tl.zeros((BM, BN), dtype=tl.float32)
+        for r0 in range(0, R, BR):
+            rmask = (r0 + ar) < R
+            hk = tl.load(h_ptr + rm[:, None] * stride_hm + blk * R + r0 + ar[None, :],
+                         mask=rmask[None, :], other=0.0)
+            bk = tl.load(b_ptr + rn[:, None] * R + r0 + ar[None, :], mask=rmask[None, :], other=0.0)
+            if SWAP:
+                lacc = _mma(bk, tl.trans(hk), lacc, INTERP)
+            else:
+                lacc = _mma(hk, tl.trans(bk), lacc, INTERP)
+        acc = acc + lacc * lora_scale
+    if SWAP:
+        o_ptrs = out_ptr + offs_m[None, :] * stride_om + offs_n[:, None]
+        omask = (offs_m[None, :] < M) & (offs_n[:, None] < N)
+    else:
+        o_ptrs = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :]
+        omask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
+    tl.store(o_ptrs, _cast(acc, out_ptr.dtype.element_ty, INTERP), mask=omask)
+
+
+def _gemm_configs():
+    if INTERPRET:
+        return [triton.Config({"BM": 16, "BN": 32, "GROUP_M": 4, "SWAP": sw}, num_warps=4, num_stages=1)
+                for sw in (False, True)][:1]
+    cfgs = []
+    for bm, bn, w, s in [(128, 128, 8, 3), (128, 256, 8, 3), (256, 128, 8, 3), (128, 128, 4, 4),
+                         (128, 64, 4, 4), (64, 128, 4, 4), (64, 64, 4, 4), (32, 128, 4, 4),
+                         (16, 128, 4, 4), (16, 64, 4, 4)]:
+        cfgs.append(triton.Config({"BM": bm, "BN": bn, "GROUP_M": 8, "SWAP": False}, num_warps=w, num_stages=s))
+    # swapped: W (dequantized in registers) is the MMA's A operand; BN = MMA M, BM = MMA N
+    for bm, bn, w, s in [(128, 128, 4, 3), (256, 128, 8, 3), (128, 128, 8, 3), (256, 64, 4, 3),
+                         (64, 128, 4, 4), (32, 128, 4, 4), (16, 128, 4, 4), (128, 64, 4, 4)]:
+        cfgs.append(triton.Config({"BM": bm, "BN": bn, "GROUP_M": 8, "SWAP": True}, num_warps=w, num_stages=s))
+    return cfgs
+
+
+def _prune(configs, named_args, **kw):
+    m = named_args["M_BUCKET"]
+    out = [c for c in configs if c.kwargs["BM"] <= max(16, m)]
+    if kw.get("HAS_LORA", named_args.get("HAS_LORA", False)):
+        # the LoRA epilogue needs every BN tile inside one qkv block (gemm_exact checks NB % 64 == 0)
+        nb = named_args["NB"]
+        out = [c for c in out if nb % c.kwargs["BN"] == 0]
+    return out or configs
+
+
+_gemm_tuned = triton.autotune(configs=_gemm_configs(), key=["M_BUCKET", "N", "K", "HAS_LORA"],
+                              prune_configs_by={"early_config_prune": _prune})(_nvfp4_gemm_kernel)
+
+#: config forced by tests / callers (dict of BM, BN, GROUP_M, num_warps, num_stages) or None = autotune
+FORCED_CONFIG: dict | None = None
+
+
+def m_bucket(m: int) -> int:
+    b = 16
+    while b < m and b < 8192:
+        b *= 2
+    return b
+
+
+def gemm_exact(x2d: torch.Tensor, qs: torch.Tensor, scales: torch.Tensor, gs: torch.Tensor,
+               n: int, k: int, lora: tuple | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Fused W4A16 GEMM: x2d [M, K] (bf16/fp16, row stride any, unit column stride) -> [M, N] x.dtype.
+
+    qs uint8 [N, Kp/2] split-packed, scales uint8 [N, Kp/16], gs fp32 [1]. ``lora``: optional
+    (h [M, blocks*r] x.dtype, Bc [N, r] x.dtype contiguous, scale float, NB rows per block).
+    """
+    m = x2d.shape[0]
+    if x2d.stride(1) != 1:
+        x2d = x2d.contiguous()
+    nkb = qs.shape[1] // 64
+    if out is None:
+        out = torch.empty((m, n), device=x2d.device, dtype=x2d.dtype)
+    if m == 0:
+        return out
+    if max(m * x2d.stride(0), m * out.stride(0), qs.numel()) >= 2 ** 31:
+        raise ValueError(f"gemm_exact: 32-bit offsets overflow for M={m}, N={n}, K={k}; split the rows")
+    if lora is not None:
+        h, bc, lscale, nb = lora
+        bn_ok = nb % 64 == 0 or (FORCED_CONFIG is not None and nb % FORCED_CONFIG["BN"] == 0)
+        if not bn_ok:
+            raise ValueError(f"gemm_exact: fused LoRA needs rows per block ({nb}) divisible by 64")
+        r = bc.shape[1]
+        if h.stride(1) != 1:
+            h = h.contiguous()
+        args = (h, bc, float(lscale))
+        has_lora, br, stride_h = True, max(16, min(64, triton.next_power_of_2(r))), h.stride(0)
+    else:
+        args = (x2d, qs, 0.0)
+        has_lora, br, stride_h, r, nb = False, 16, 0, 1, n
+    grid = lambda meta: (triton.cdiv(m, meta["BM"]) * triton.cdiv(n, meta["BN"]),)  # noqa: E731
+    common = (x2d, qs, scales, gs, out, *args, m, n, k, nkb, x2d.stride(0), out.stride(0), stride_h, r, nb,
+              m_bucket(m), INTERPRET)
+    if FORCED_CONFIG is not None:
+        c = dict(FORCED_CONFIG)
+        c.setdefault("SWAP", False)
+        nw, ns = c.pop("num_warps", 4), c.pop("num_stages", 1)
+        g = (triton.cdiv(m, c["BM"]) * triton.cdiv(n, c["BN"]),)
+        _nvfp4_gemm_kernel[g](*common, HAS_LORA=has_lora, BR=br, EVEN_K=(k % 128 == 0), **c,
+                              num_warps=nw, num_stages=ns)
+    else:
+        _gemm_tuned[grid](*common, HAS_LORA=has_lora, BR=br, EVEN_K=(k % 128 == 0))
+    return out
+
+
+@triton.jit
+def _dequant_kernel(q_ptr, s_ptr, gs_ptr, out_ptr, N, K, NKB, stride_on, BN: tl.constexpr,
+                    INTERP: tl.constexpr):
+    pid_n = tl.program_id(0)
+    kb = tl.program_id(1)
+    offs_n = pid_n * BN + tl.arange(0, BN)
+    g4 = tl.arange(0, 4)
+    j16 = tl.arange(0, 16)
+    nmask = offs_n < N
+    p = tl.load(q_ptr + offs_n[:, None, None] * (NKB * 64) + kb * 64 + g4[None, :, None] * 16
+                + j16[None, None, :], mask=nmask[:, None, None], other=0).to(tl.int32)
+    sp = s_ptr + offs_n[:, None] * (NKB * 8) + kb * 8 + g4[None, :]
+    s_hi = _e4m3_x2p14(tl.load(sp, mask=nmask[:, None], other=0).to(tl.int32))
+    s_lo = _e4m3_x2p14(tl.load(sp + 4, mask=nmask[:, None], other=0).to(tl.int32))
+    gs = tl.load(gs_ptr)
+    w_hi = (_e2m1_x2m14(p >> 4) * s_hi[:, :, None]) * gs
+    w_lo = (_e2m1_x2m14(p & 15) * s_lo[:, :, None]) * gs
+    kk = kb * 128 + g4[None, :, None] * 16 + j16[None, None, :]
+    o = out_ptr + offs_n[:, None, None] * stride_on + kk
+    tl.store(o, _cast(w_hi, out_ptr.dtype.element_ty, INTERP), mask=nmask[:, None, None] & (kk < K))
+    tl.store(o + 64, _cast(w_lo, out_ptr.dtype.element_ty, INTERP), mask=nmask[:, None, None] & (kk + 64 < K))
+
+
+def dequant(qs: torch.Tensor, scales: torch.Tensor, gs: torch.Tensor, n: int, k: int,
+            out_dtype: torch.dtype = torch.bfloat16, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Dequantize the split layout (rows 0..n-1 of qs/scales) to ``out`` [n, k] (row stride any)."""
+    if out is None:
+        out = torch.empty((n, k), device=qs.device, dtype=out_dtype)
+    nkb = qs.shape[1] // 64
+    bn = 16 if INTERPRET else 32
+    _dequant_kernel[(triton.cdiv(n, bn), nkb)](qs, scales, gs, out, n, k, nkb, out.stride(0), BN=bn, INTERP=INTERPRET,
+                                              num_warps=4)
+    return out
+
+
+@triton.jit
+def _quant_rows_kernel(x_ptr, q_ptr, s_ptr, K, stride_xm, stride_qm, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK)
+    amax = tl.zeros((BLOCK,), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK):
+        v = tl.load(x_ptr + row * stride_xm + k0 + offs, mask=(k0 + offs) < K, other=0.0).to(tl.float32)
+        amax = tl.maximum(amax, tl.abs(v))
+    a = tl.max(amax, axis=0)
+    a = tl.where(a > 0, a, 1.0)
+    inv = 448.0 / a
+    for k0 in range(0, K, BLOCK):
+        m = (k0 + offs) < K
+        v = tl.load(x_ptr + row * stride_xm + k0 + offs, mask=m, other=0.0).to(tl.float32)
+        qv = tl.minimum(tl.maximum(v * inv, -448.0), 448.0)
+        tl.store(q_ptr + row * stride_qm + k0 + offs, qv.to(q_ptr.dtype.element_ty), mask=m)
+    tl.store(s_ptr + row, a / 448.0)
+
+
+def quant_rows_fp8(x2d: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] -> (x8 float8_e4m3fn [M, K] contiguous, sx fp32 [M, 1]); formula of
+    :func:`.nvfp4_ref.quantize_rows_fp8`."""
+    m, k = x2d.shape
+    if x2d.stride(1) != 1:
+        x2d = x2d.contiguous()
+    q = torch.empty((m, k), device=x2d.device, dtype=torch.float8_e4m3fn)
+    s = torch.empty((m, 1), device=x2d.device, dtype=torch.float32)
+    if m:
+        block = min(4096, triton.next_power_of_2(k))
+        _quant_rows_kernel[(m,)](x2d, q, s, k, x2d.stride(0), q.stride(0), BLOCK=block, num_warps=4)
+    return q, s

@@ -1,0 +1,108 @@
+"""Turbo sampling nodes: the shifted sigma grid (SIGMAS) and the training-Euler AV sampler (SAMPLER).
+
+Both plug into core's ``SamplerCustomAdvanced``. Logic: :mod:`h3_turbo.samplers.schedules` and
+:mod:`h3_turbo.samplers.training_euler`.
+"""
+from __future__ import annotations
+
+import logging
+
+from comfy_api.latest import io
+
+from . import CATEGORY
+from ..adapters import contracts
+from ..samplers import schedules, training_euler
+
+log = logging.getLogger("h3_turbo")
+
+
+def turbo_sigmas(model, steps: int):
+    """SIGMAS for H3 Turbo Sigmas: fp32 [N+1], ``shift_v*b/(1+(shift_v-1)*b)``, b = linspace(1, 0, N+1),
+    last exactly 0 (H3_FACTS §5).
+
+    With a Turbo contract on ``model.model_options`` (attached by the Turbo LoRA node): N = the contract's
+    NFE (steps 0 or equal to it) and shift_v = the contract's video shift; any other steps is a ValueError
+    naming the artifact and its NFE (steps == NFE+1 is called out as grid points vs model evaluations).
+    Without a contract: steps must be > 0 and shift_v is the model's ``model_sampling.shift`` (core's
+    ModelSamplingMiniMaxH3 / MiniMaxH3SigmaShift patch, else the checkpoint default 12).
+    """
+    import torch
+
+    contract = contracts.get(getattr(model, "model_options", None) or {})
+    steps = int(steps)
+    if contract is not None:
+        nfe = int(contract.nfe)
+        who = f"Turbo '{contract.name or contract.variant}' ({contract.variant})"
+        if steps not in (0, nfe):
+            msg = (f"H3 Turbo Sigmas: {who} wants {nfe} model evaluations, got steps={steps}. "
+                   f"Set steps to {nfe} or 0 (= the contract's).")
+            if steps == nfe + 1:
+                msg += (f" You gave grid points, not model evaluations: {nfe} evaluations use "
+                        f"{nfe + 1} sigmas, and ComfyUI's steps count evaluations.")
+            raise ValueError(msg)
+        return schedules.shifted_grid(nfe, contract.shift_video, dtype=torch.float32)
+    if steps <= 0:
+        raise ValueError("H3 Turbo Sigmas: steps=0 means 'the Turbo contract's NFE', but the MODEL carries "
+                         "no Turbo contract (connect it through the H3 Turbo LoRA node) - or set steps > 0.")
+    ms = model.get_model_object("model_sampling")
+    shift = getattr(ms, "shift", None)
+    if shift is None or getattr(ms, "audio_shift", None) is None:
+        raise ValueError(f"H3 Turbo Sigmas: the MODEL's model_sampling ({type(ms).__name__}) is not "
+                         f"ModelSamplingAV (no shift/audio_shift): connect a MiniMax H3 model.")
+    log.info("H3 Turbo Sigmas: no Turbo contract; %d steps at the model's video shift %g.", steps, float(shift))
+    return schedules.shifted_grid(steps, float(shift), dtype=torch.float32)
+
+
+class H3TurboSigmas(io.ComfyNode):
+    """The uniform shifted video sigma grid of the Turbo contract (or of the model's shift)."""
+
+    @classmethod
+    def define_schema(cls):
+        return io.Schema(
+            node_id="H3TurboSigmas",
+            display_name="H3 Turbo Sigmas",
+            category=CATEGORY,
+            description="Video sigmas shift*b/(1+(shift-1)*b), b = linspace(1,0,steps+1), last 0. steps counts "
+                        "MODEL EVALUATIONS (0 = the attached Turbo contract's). With a Turbo LoRA the shift is "
+                        "the contract's; without one, the model's ModelSamplingMiniMaxH3 shift_video.",
+            inputs=[
+                io.Model.Input("model"),
+                io.Int.Input("steps", default=0, min=0, max=1000,
+                             tooltip="Model evaluations; 0 = the Turbo contract's NFE (4 for 4-step)."),
+            ],
+            outputs=[io.Sigmas.Output()],
+        )
+
+    @classmethod
+    def execute(cls, model, steps) -> io.NodeOutput:
+        return io.NodeOutput(turbo_sigmas(model, steps))
+
+
+class H3TurboSampler(io.ComfyNode):
+    """SAMPLER: shifted training-Euler with independent video and audio states (one model call per step)."""
+
+    @classmethod
+    def define_schema(cls):
+        return io.Schema(
+            node_id="H3TurboSampler",
+            display_name="H3 Turbo Sampler (training-Euler AV)",
+            category=CATEGORY,
+            description="Deterministic Euler x += (sigma_i - sigma_next) * (x0 - noise) per stream, video on the "
+                        "SIGMAS, audio on its own grid, one model call per step at (sigma_v, sigma_a). Enforces "
+                        "the Turbo contract at sampling time (steps, grid, no CFG, no denoiser cache, shifts).",
+            inputs=[
+                io.Combo.Input("state_dtype", options=list(training_euler.STATE_DTYPES), default="fp32",
+                               tooltip="dtype of the video/audio states between steps (fp32 = LightX2V)."),
+            ],
+            outputs=[io.Sampler.Output()],
+        )
+
+    @classmethod
+    def execute(cls, state_dtype) -> io.NodeOutput:
+        import comfy.samplers
+
+        return io.NodeOutput(comfy.samplers.KSAMPLER(training_euler.sample_h3_turbo,
+                                                     extra_options={"state_dtype": state_dtype}))
+
+
+NODES = [H3TurboSigmas, H3TurboSampler]

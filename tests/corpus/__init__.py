@@ -1,0 +1,344 @@
+"""The bad-input corpus of issue 8, generated at test time from the tiny fixtures (no binaries committed).
+
+``build_model_corpus(fixtures, out_dir)`` -> {case: path} of damaged / foreign diffusion-model files;
+``build_adapter_corpus(fixtures, out_dir)`` -> {case: path} of Turbo LoRA files (bad ones and accepted
+alternative layouts). Both are deterministic and idempotent (the same bytes every call), and memoized per
+``out_dir`` so a pytest session builds them once. Container damage reuses ``h3_turbo.tools.variants.damage``.
+
+``model_fingerprint(model_patcher)`` hashes everything a failed request could have changed on a loaded
+model: every parameter and buffer (bytes, dtype, shape; NVFP4 ``QuantizedTensor`` by its packed data and
+scales), and the patcher's ``patches``, ``object_patches``, ``model_options`` (wrappers, callbacks,
+transformer options, the Turbo contract), the patcher's own ``wrappers`` / ``callbacks`` / ``injections`` /
+``additional_models`` / ``attachments`` / hook state, and the ``forward`` overrides on modules.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+
+import torch
+
+MODEL_CASES = (
+    "truncated", "lfs_pointer", "header_too_long", "trailing_bytes", "json_garbage",
+    "scale_wrong_dtype", "global_scale_nan", "global_scale_inf", "global_scale_zero", "block_scale_nan",
+    "missing_weight_scale", "wan_like", "bf16_shape_vs_config",
+)
+ADAPTER_BAD_CASES = ("missing_targets", "extra_adaln_proj", "extra_final_layer", "other_hidden", "alpha_missing",
+                     "lora_b_missing", "alpha_vs_metadata")
+ADAPTER_OK_CASES = ("bare_keys", "peft_default", "diffusers_twin", "diffusers_twin_fc1_swapped")
+
+# the layer every value-damage case touches (an NVFP4 block projection of the tiny fixture)
+DAMAGED_LAYER = "blocks.3.attn.out_proj"
+
+_MEMO: dict[tuple[str, str], dict[str, str]] = {}
+
+
+def _load(path):
+    from safetensors import safe_open
+
+    with safe_open(path, "pt") as f:
+        return {k: f.get_tensor(k) for k in f.keys()}, dict(f.metadata() or {})
+
+
+def _save(sd, path, meta=None):
+    from safetensors.torch import save_file
+
+    save_file(sd, path, metadata=meta or None)
+    return path
+
+
+def build_model_corpus(fixtures: dict, out_dir: str) -> dict[str, str]:
+    """Write one file per :data:`MODEL_CASES` into ``out_dir`` (from the NVFP4 / BF16 fixtures)."""
+    key = ("model", os.path.abspath(out_dir))
+    if key in _MEMO:
+        return dict(_MEMO[key])
+    from h3_turbo.tools.variants import damage
+
+    os.makedirs(out_dir, exist_ok=True)
+    p = lambda n: os.path.join(out_dir, f"{n}.safetensors")  # noqa: E731
+    out = {}
+    for kind in ("truncated", "lfs_pointer", "header_too_long", "trailing_bytes", "json_garbage"):
+        out[kind] = damage(fixtures["nvfp4"], kind, p(kind))
+    sd, meta = _load(fixtures["nvfp4"])
+    L = DAMAGED_LAYER
+
+    def variant(name, **changes):
+        d = dict(sd)
+        for k, v in changes.items():
+            k = k.replace("__", ".")
+            if v is None:
+                d.pop(f"{L}.{k}")
+            else:
+                d[f"{L}.{k}"] = v
+        out[name] = _save(d, p(name), meta)
+
+    variant("scale_wrong_dtype", weight_scale=sd[f"{L}.weight_scale"].float())          # F32 block scales
+    variant("global_scale_nan", weight_scale_2=torch.tensor(float("nan")))
+    variant("global_scale_inf", weight_scale_2=torch.tensor(float("inf")))
+    variant("global_scale_zero", weight_scale_2=torch.tensor(0.0))
+    bs = sd[f"{L}.weight_scale"].view(torch.uint8).clone()
+    bs[0, 0] = 0x7F                                                                          # e4m3 NaN byte
+    variant("block_scale_nan", weight_scale=bs.view(torch.float8_e4m3fn))
+    variant("missing_weight_scale", weight_scale=None)
+    # a Wan 2.x-like key set (small tensors, real Wan names)
+    g = torch.Generator().manual_seed(5)
+    wan = {"patch_embedding.weight": torch.randn(64, 16, 1, 2, 2, generator=g).to(torch.bfloat16),
+           "text_embedding.0.weight": torch.randn(64, 32, generator=g).to(torch.bfloat16),
+           "time_embedding.0.weight": torch.randn(64, 32, generator=g).to(torch.bfloat16),
+           "head.head.weight": torch.randn(64, 64, generator=g).to(torch.bfloat16)}
+    for i in range(2):
+        for m in ("self_attn", "cross_attn"):
+            for q in ("q", "k", "v", "o"):
+                wan[f"blocks.{i}.{m}.{q}.weight"] = torch.randn(64, 64, generator=g).to(torch.bfloat16)
+        wan[f"blocks.{i}.ffn.0.weight"] = torch.randn(128, 64, generator=g).to(torch.bfloat16)
+        wan[f"blocks.{i}.ffn.2.weight"] = torch.randn(64, 128, generator=g).to(torch.bfloat16)
+    out["wan_like"] = _save(wan, p("wan_like"), {"model_type": "t2v"})
+    # BF16: __metadata__ declares the fixture config (ffn 128), block 7's fc1 is [2*192, 64]
+    bsd, bmeta = _load(fixtures["bf16"])
+    cfg = json.loads(bmeta["h3_turbo_fixture"])
+    assert cfg["ffn"] == 128
+    bsd["blocks.7.mlp.fc1.weight"] = torch.zeros(2 * 192, cfg["hidden"], dtype=torch.bfloat16)
+    out["bf16_shape_vs_config"] = _save(bsd, p("bf16_shape_vs_config"), bmeta)
+    assert set(out) == set(MODEL_CASES)
+    _MEMO[key] = out
+    return dict(out)
+
+
+def _diffusers_twin(t: dict, swap_fc1: bool = False) -> dict:
+    """The ComfyUI-layout fixture adapter re-expressed as the Diffusers/PEFT twin (split q/k/v, fc1 rows
+    [up; gate]); ``swap_fc1`` keeps ComfyUI's [gate; up] order instead (the mistake a converter makes)."""
+    out = {}
+    for k, v in t.items():
+        if not k.endswith("lora_A.weight"):
+            continue
+        stem = k[len("diffusion_model."):-len(".lora_A.weight")]
+        sep = ".attn." if ".attn." in stem else ".mlp."
+        blk, name = stem.split(sep)
+        proj = sep[1:] + name
+        if blk.startswith("token_refiner.blocks."):
+            dblk = blk.replace("token_refiner.blocks.", "token_refiner.refiner_blocks.")
+        else:
+            dblk = blk.replace("blocks.", "transformer_blocks.")
+        A, B = v, t[f"diffusion_model.{stem}.lora_B.weight"]
+        if proj == "attn.qkv_proj":
+            r, o = A.shape[0] // 3, B.shape[0] // 3
+            for j, n in enumerate(("to_q", "to_k", "to_v")):
+                out[f"{dblk}.attn.{n}.lora_A.weight"] = A[j * r:(j + 1) * r].contiguous()
+                out[f"{dblk}.attn.{n}.lora_B.weight"] = B[j * o:(j + 1) * o, j * r:(j + 1) * r].contiguous()
+            continue
+        name = {"attn.out_proj": "attn.to_out.0", "mlp.fc1": "ff.net.0.proj", "mlp.fc2": "ff.net.2"}[proj]
+        if proj == "mlp.fc1" and not swap_fc1:
+            h = B.shape[0] // 2
+            B = torch.cat([B[h:], B[:h]], 0)
+        out[f"{dblk}.{name}.lora_A.weight"] = A.contiguous()
+        out[f"{dblk}.{name}.lora_B.weight"] = B.contiguous()
+    return out
+
+
+def build_adapter_corpus(fixtures: dict, out_dir: str) -> dict[str, str]:
+    """Write one Turbo LoRA per :data:`ADAPTER_BAD_CASES` + :data:`ADAPTER_OK_CASES` (from the 4-step fixture)."""
+    key = ("adapter", os.path.abspath(out_dir))
+    if key in _MEMO:
+        return dict(_MEMO[key])
+    import dataclasses
+
+    from h3_turbo.tools.fixtures import TinyH3Config, make_turbo_lora
+
+    os.makedirs(out_dir, exist_ok=True)
+    p = lambda n: os.path.join(out_dir, f"{n}.safetensors")  # noqa: E731
+    t, meta = _load(fixtures["lora_4step"])
+    out = {}
+    out["missing_targets"] = _save({k: v for k, v in t.items() if not k.startswith("diffusion_model.blocks.1.")},
+                                   p("missing_targets"), meta)
+    ad = dict(t)
+    ad["diffusion_model.blocks.0.adaln_proj.linear.lora_A.weight"] = torch.zeros(4, 32, dtype=torch.bfloat16)
+    ad["diffusion_model.blocks.0.adaln_proj.linear.lora_B.weight"] = torch.zeros(1152, 4, dtype=torch.bfloat16)
+    ad["diffusion_model.blocks.0.adaln_proj.linear.alpha"] = torch.tensor(4.0)
+    out["extra_adaln_proj"] = _save(ad, p("extra_adaln_proj"), meta)
+    fl = dict(t)
+    fl["diffusion_model.final_layer.video_out.lora_A.weight"] = torch.zeros(4, 64, dtype=torch.bfloat16)
+    fl["diffusion_model.final_layer.video_out.lora_B.weight"] = torch.zeros(96, 4, dtype=torch.bfloat16)
+    out["extra_final_layer"] = _save(fl, p("extra_final_layer"), meta)
+    wide, wmeta = make_turbo_lora({}, dataclasses.replace(TinyH3Config(), hidden=96), alpha_over_rank=1.0, nfe=4)
+    out["other_hidden"] = _save(wide, p("other_hidden"), wmeta)
+    out["alpha_missing"] = _save({k: v for k, v in t.items() if k != "diffusion_model.blocks.0.mlp.fc1.alpha"},
+                                 p("alpha_missing"), meta)
+    out["lora_b_missing"] = _save({k: v for k, v in t.items() if k != "diffusion_model.blocks.1.mlp.fc2.lora_B.weight"},
+                                  p("lora_b_missing"), meta)
+    dis = dict(t)
+    dis["diffusion_model.blocks.1.attn.out_proj.alpha"] = torch.tensor(1.0)   # alpha/rank 0.25, metadata says 1
+    out["alpha_vs_metadata"] = _save(dis, p("alpha_vs_metadata"), meta)
+    # accepted layouts
+    out["bare_keys"] = _save({k[len("diffusion_model."):]: v for k, v in t.items()}, p("bare_keys"), meta)
+    peft = {}
+    for k, v in t.items():
+        k2 = k.replace(".lora_A.weight", ".lora_A.default.weight").replace(".lora_B.weight", ".lora_B.default.weight")
+        peft[k2] = v
+    out["peft_default"] = _save(peft, p("peft_default"), meta)
+    dmeta = dict(meta, alpha=str(4.0))  # per-projection alpha r=4 -> alpha/rank 1 (the 4-step fixture)
+    out["diffusers_twin"] = _save(_diffusers_twin(t), p("diffusers_twin"), dmeta)
+    out["diffusers_twin_fc1_swapped"] = _save(_diffusers_twin(t, swap_fc1=True), p("diffusers_twin_fc1_swapped"), dmeta)
+    assert set(out) == set(ADAPTER_BAD_CASES) | set(ADAPTER_OK_CASES)
+    _MEMO[key] = out
+    return dict(out)
+
+
+def av_prompt(unet: str, turbo: str, steps=0, length=5, seed=42, tag="rel", sample=True) -> dict:
+    """API prompt: H3TurboNVFP4Loader -> H3TurboLoRA -> test conditioning -> BasicGuider, H3TurboSigmas,
+    H3TurboSampler, EmptyMiniMaxH3LatentAV 64x64 -> SamplerCustomAdvanced -> SaveLatent (video "11",
+    audio "12"). ``sample=False``: loader -> LoRA -> Sigmas -> PreviewAny only (no model evaluation)."""
+    p = {
+        "1": {"class_type": "H3TurboNVFP4Loader", "inputs": {"unet_name": unet, "compute": "auto"}},
+        "2": {"class_type": "H3TurboLoRA", "inputs": {"model": ["1", 0], "turbo": turbo, "strength": 1.0}},
+        "5": {"class_type": "H3TurboSigmas", "inputs": {"model": ["2", 0], "steps": steps}},
+    }
+    if not sample:
+        p["20"] = {"class_type": "PreviewAny", "inputs": {"source": ["5", 0]}}
+        return p
+    p.update({
+        "3": {"class_type": "H3TurboTestConditioning", "inputs": {"model": ["2", 0], "seed": 0, "tokens": 16}},
+        "4": {"class_type": "BasicGuider", "inputs": {"model": ["2", 0], "conditioning": ["3", 0]}},
+        "6": {"class_type": "H3TurboSampler", "inputs": {"state_dtype": "fp32"}},
+        "7": {"class_type": "RandomNoise", "inputs": {"noise_seed": seed}},
+        "8": {"class_type": "EmptyMiniMaxH3LatentAV", "inputs": {"width": 64, "height": 64, "length": length}},
+        "9": {"class_type": "SamplerCustomAdvanced", "inputs": {"noise": ["7", 0], "guider": ["4", 0],
+                                                                "sampler": ["6", 0], "sigmas": ["5", 0],
+                                                                "latent_image": ["8", 0]}},
+        "10": {"class_type": "LTXVSeparateAVLatent", "inputs": {"av_latent": ["9", 0]}},
+        "11": {"class_type": "SaveLatent", "inputs": {"samples": ["10", 0], "filename_prefix": f"h3rel/{tag}_v"}},
+        "12": {"class_type": "SaveLatent", "inputs": {"samples": ["10", 1], "filename_prefix": f"h3rel/{tag}_a"}},
+    })
+    return p
+
+
+SMALL_LAYERS = (2, 1)  # DiT blocks, refiner blocks of the small sampling fixture
+
+
+def write_small_fixtures(models_root: str, sub: str, work_dir: str) -> dict[str, str]:
+    """The tiny fixtures at depth 2+1 (same widths and latent sizes; 12 adapter targets), ~10x faster to sample,
+    written as ``<models_root>/diffusion_models/<sub>/h3rel_small_nvfp4.safetensors`` and
+    ``<models_root>/loras/<sub>/h3rel_small_turbo_{4,8}step.safetensors``. Returns {"unet", "lora_4step",
+    "lora_8step"}: names as ComfyUI lists them (``<sub>/<file>``), plus the same keys + "_path"."""
+    import dataclasses
+
+    from h3_turbo.tools.fixtures import TinyH3Config, make_fixtures
+
+    src = make_fixtures(work_dir, dataclasses.replace(TinyH3Config(), num_layers=SMALL_LAYERS[0],
+                                                      refiner_layers=SMALL_LAYERS[1]))
+    out = {}
+    for key, folder, name in (("unet", "diffusion_models", "h3rel_small_nvfp4.safetensors"),
+                              ("lora_4step", "loras", "h3rel_small_turbo_4step.safetensors"),
+                              ("lora_8step", "loras", "h3rel_small_turbo_8step.safetensors")):
+        d = os.path.join(models_root, folder, sub)
+        os.makedirs(d, exist_ok=True)
+        shutil.copy(src["nvfp4" if key == "unet" else key], os.path.join(d, name))
+        out[key] = f"{sub}/{name}"
+        out[key + "_path"] = os.path.join(d, name)
+    return out
+
+
+def copy_into(paths: dict[str, str], folder: str) -> dict[str, str]:
+    """Copy corpus files into ``folder`` (e.g. a server's models/loras/zz_rel); returns {case: new path}."""
+    os.makedirs(folder, exist_ok=True)
+    res = {}
+    for k, src in paths.items():
+        dst = os.path.join(folder, os.path.basename(src))
+        if not os.path.exists(dst):
+            shutil.copy(src, dst)
+        res[k] = dst
+    return res
+
+
+# ----------------------------------------------------------------------------------------------- fingerprint
+def _hash_tensor(h, t) -> None:
+    try:
+        from comfy.quant_ops import QuantizedTensor
+    except ImportError:  # pragma: no cover
+        QuantizedTensor = ()
+    if isinstance(t, torch.nn.Parameter):
+        t = t.data
+    if QuantizedTensor and isinstance(t, QuantizedTensor):
+        h.update(b"Q" + type(t._params).__name__.encode())
+        _hash_tensor(h, t._qdata)
+        for k, v in sorted(vars(t._params).items()):
+            h.update(k.encode())
+            if isinstance(v, torch.Tensor):
+                _hash_tensor(h, v)
+            else:
+                h.update(repr(v).encode())
+        return
+    t = t.detach()
+    h.update(f"{t.dtype}{tuple(t.shape)}{t.device.type}".encode())
+    if t.numel():
+        h.update(t.contiguous().reshape(-1).view(torch.uint8).cpu().numpy().tobytes())
+
+
+def _hash_obj(h, o, depth=0) -> None:
+    """Structural hash: dicts/lists recursively, tensors by bytes, callables by qualified name + identity of
+    the bound object / closure cells (a new wrapper or a changed closure changes the hash)."""
+    if depth > 12:
+        h.update(b"<deep>")
+        return
+    if isinstance(o, torch.Tensor):
+        _hash_tensor(h, o)
+    elif isinstance(o, dict):
+        h.update(b"{")
+        for k in sorted(o, key=repr):
+            h.update(repr(k).encode())
+            _hash_obj(h, o[k], depth + 1)
+        h.update(b"}")
+    elif isinstance(o, (list, tuple)):
+        h.update(b"[")
+        for v in o:
+            _hash_obj(h, v, depth + 1)
+        h.update(b"]")
+    elif isinstance(o, (str, int, float, bool, type(None))):
+        h.update(repr(o).encode())
+    elif callable(o):
+        h.update(f"{getattr(o, '__module__', '')}.{getattr(o, '__qualname__', type(o).__name__)}@{id(o)}".encode())
+    else:
+        d = getattr(o, "__dict__", None)
+        h.update(f"<{type(o).__module__}.{type(o).__qualname__}@{id(o)}>".encode())
+        if isinstance(d, dict) and depth < 3:
+            _hash_obj(h, {k: v for k, v in d.items() if not isinstance(v, torch.nn.Module)}, depth + 1)
+
+
+# ModelPatcher state that ``clone()`` carries over (comfy/model_patcher.py, 2026-08), minus load-time state
+PATCHER_ATTRS = ("patches", "patches_uuid", "object_patches", "weight_wrapper_patches", "model_options", "wrappers",
+                 "callbacks", "injections", "skip_injection", "additional_models", "attachments", "hook_patches",
+                 "hook_patches_backup", "cached_hook_patches", "current_hooks", "forced_hooks", "hook_mode",
+                 "force_cast_weights", "cached_patcher_init", "weight_inplace_update", "load_device", "offload_device")
+
+
+def model_fingerprint(model_patcher) -> str:
+    """SHA-256 over a ModelPatcher's model parameters/buffers and its patch state (see module doc).
+
+    Parts: ``params`` (every ``named_parameters`` / ``named_buffers`` tensor of ``model_patcher.model``), one
+    per :data:`PATCHER_ATTRS` (patches, object_patches, model_options, the patcher's own wrappers / callbacks /
+    injections / additional_models / attachments, hook state...), and ``forward_overrides`` (modules
+    carrying an instance ``forward``, i.e. injected code).
+    Use :func:`fingerprint_parts` to see which part changed.
+    """
+    return hashlib.sha256(json.dumps(fingerprint_parts(model_patcher), sort_keys=True).encode()).hexdigest()
+
+
+def fingerprint_parts(model_patcher) -> dict[str, str]:
+    parts = {}
+    h = hashlib.sha256()
+    m = model_patcher.model
+    for name, t in list(m.named_parameters(recurse=True)) + list(m.named_buffers(recurse=True)):
+        h.update(name.encode())
+        _hash_tensor(h, t)
+    parts["params"] = h.hexdigest()
+    for attr in PATCHER_ATTRS:
+        h = hashlib.sha256()
+        _hash_obj(h, getattr(model_patcher, attr, None))
+        parts[attr] = h.hexdigest()
+    h = hashlib.sha256()
+    for name, mod in m.named_modules():
+        if "forward" in mod.__dict__:
+            h.update(f"{name}:{mod.__dict__['forward']!r}".encode())
+    parts["forward_overrides"] = h.hexdigest()
+    return parts

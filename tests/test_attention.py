@@ -1,0 +1,313 @@
+"""Issue 9: per-model attention backend (H3TurboAttention) and the exact-SDPA override (CPU tests)."""
+from __future__ import annotations
+
+import copy
+import logging
+import math
+import os
+
+import pytest
+import torch
+
+from h3_turbo.kernels import attention as A
+
+
+# ---------------------------------------------------------------- pure helpers
+
+def test_resolve_backend_and_buckets():
+    assert A.resolve_backend("auto") == "exact"
+    assert A.resolve_backend("exact") == "exact"
+    assert A.resolve_backend("sdpa_core") == "sdpa_core"
+    with pytest.raises(ValueError, match=r"unknown backend 'sage'.*\['auto', 'exact', 'sdpa_core'\]"):
+        A.resolve_backend("sage")
+    assert [A.length_bucket(n) for n in (1, 2, 3, 300, 19584, 32768, 32769, 37632, 109000)] == \
+        [1, 2, 4, 512, 32768, 32768, 65536, 65536, 131072]
+    with pytest.raises(ValueError):
+        A.length_bucket(0)
+    q = torch.empty(1, 56, 19584, 128, dtype=torch.bfloat16)
+    k = torch.empty(1, 56, 300, 128, dtype=torch.bfloat16)
+    assert A.shape_key(q, k) == ("cpu", torch.bfloat16, 56, 128, 32768, 512)
+
+
+# ---------------------------------------------------------------- measuring and caching
+
+class FakeBench:
+    """run(c) records c (or raises for names in ``broken``); timer(fn) calls fn once and returns the
+    preset time of the candidate that fn ran."""
+
+    def __init__(self, times, broken=()):
+        self.times, self.broken = times, set(broken)
+        self.runs: list[str] = []
+
+    def run(self, c):
+        self.runs.append(c)
+        if c in self.broken:
+            raise RuntimeError(f"No available kernel for {c}")
+        return c
+
+    def timer(self, fn):
+        fn()
+        return self.times[self.runs[-1]]
+
+
+def test_chooser_measures_once_per_key_and_picks_fastest(caplog):
+    fb = FakeBench({"CUDNN": 0.0178, "FLASH": 0.0307, "EFFICIENT": 0.0604})
+    ch = A.BackendChooser(fb.timer)
+    cands = ("FLASH", "CUDNN", "EFFICIENT")
+    with caplog.at_level(logging.INFO, logger="h3_turbo"):
+        assert ch.choose("k1", cands, fb.run) == "CUDNN"
+        # warm-up + one timed call per candidate, in order
+        assert fb.runs == ["FLASH", "FLASH", "CUDNN", "CUDNN", "EFFICIENT", "EFFICIENT"]
+        for _ in range(3):
+            assert ch.choose("k1", cands, fb.run) == "CUDNN"
+        assert len(fb.runs) == 6                      # cached: nothing re-run
+        fb.times["FLASH"] = 0.001                     # a new key is measured afresh
+        assert ch.choose("k2", cands, fb.run) == "FLASH"
+        assert len(fb.runs) == 12
+    lines = [r.getMessage() for r in caplog.records if "exact backend for" in r.getMessage()]
+    assert len(lines) == 2                            # logged once per key
+    assert "k1: CUDNN (FLASH 30.70 ms, CUDNN 17.80 ms, EFFICIENT 60.40 ms)" in lines[0]
+    assert ch.choices["k1"].seconds == {"FLASH": 0.0307, "CUDNN": 0.0178, "EFFICIENT": 0.0604}
+
+
+def test_chooser_skips_broken_candidates_and_breaks_ties_by_order(caplog):
+    fb = FakeBench({"A": 0.5, "B": 0.2, "C": 0.2}, broken={"B"})
+    ch = A.BackendChooser(fb.timer)
+    with caplog.at_level(logging.INFO, logger="h3_turbo"):
+        assert ch.choose("k", ("A", "B", "C"), fb.run) == "C"
+    assert fb.runs == ["A", "A", "B", "C", "C"]       # B failed its warm-up and was not timed
+    assert ch.choices["k"].errors == {"B": "RuntimeError: No available kernel for B"}
+    assert "B unusable (RuntimeError: No available kernel for B)" in caplog.text
+    fb2 = FakeBench({"A": 0.3, "C": 0.3})
+    assert A.BackendChooser(fb2.timer).choose("k", ("C", "A"), fb2.run) == "C"   # tie -> first listed
+    fb3 = FakeBench({}, broken={"A", "C"})
+    ch3 = A.BackendChooser(fb3.timer)
+    assert ch3.choose("k", ("A", "C"), fb3.run) is None
+    assert ch3.choose("k", ("A", "C"), fb3.run) is None and fb3.runs == ["A", "C"]   # cached failure
+
+
+def _timer_by_output(outs, times, timed):
+    """timer(fn): runs fn and returns the preset time of the candidate whose output it returned."""
+    def timer(fn):
+        o = fn()
+        timed.append(o)
+        return times[next(k for k, v in outs.items() if v is o)]
+    return timer
+
+
+def test_chooser_rejects_a_candidate_with_non_finite_output():
+    """A backend that returns NaN or inf is never chosen, however fast."""
+    outs = {"FAST_NAN": torch.tensor([[1.0, float("nan")]]), "SLOW": torch.ones(1, 2),
+            "INF": torch.tensor([[float("inf"), 0.0]])}
+    timed = []
+    ch = A.BackendChooser(_timer_by_output(outs, {"FAST_NAN": 0.1, "INF": 0.1, "SLOW": 2.0}, timed))
+    assert ch.choose("k", ("FAST_NAN", "INF", "SLOW"), lambda c: outs[c]) == "SLOW"
+    assert ch.choices["k"].errors == {"FAST_NAN": "FloatingPointError: non-finite output",
+                                      "INF": "FloatingPointError: non-finite output"}
+    assert len(timed) == 1 and ch.choices["k"].distance == {}   # one usable output: nothing to compare
+
+
+def test_chooser_rejects_a_fast_but_wrong_candidate(caplog):
+    """As PyTorch's EFFICIENT_ATTENTION at S = 109 000 on the H200: finite, fast here, 0.24 off in every row."""
+    g = torch.Generator().manual_seed(0)
+    good = torch.randn(1, 4, 3000, 16, generator=g)
+    outs = {"CUDNN": good + 1e-3 * torch.randn(good.shape, generator=g),
+            "FLASH": good + 1e-3 * torch.randn(good.shape, generator=g),
+            "EFFICIENT": good + 0.24 * torch.randn(good.shape, generator=g)}
+    outs["LATE_WRONG"] = outs["CUDNN"].clone()
+    outs["LATE_WRONG"][..., 2000:, :] += 1.0                      # only rows past 2000 wrong
+    times = {"CUDNN": 0.02, "FLASH": 0.03, "EFFICIENT": 0.001, "LATE_WRONG": 0.0005}
+    ch = A.BackendChooser(_timer_by_output(outs, times, []))
+    with caplog.at_level(logging.INFO, logger="h3_turbo"):
+        assert ch.choose("k", ("CUDNN", "FLASH", "EFFICIENT", "LATE_WRONG"), lambda c: outs[c]) == "CUDNN"
+    c = ch.choices["k"]
+    assert set(c.seconds) == {"CUDNN", "FLASH"}
+    assert c.distance["CUDNN"] == pytest.approx(math.sqrt(2) * 1e-3, rel=0.05)
+    assert c.distance["EFFICIENT"] == pytest.approx(0.24, rel=0.05)
+    assert c.distance["LATE_WRONG"] == pytest.approx(math.sqrt(1000 / 3000), rel=0.05)   # ||1|| over 1/3 of rows
+    assert c.errors["EFFICIENT"].startswith("wrong result: rel. L2 0.2") and c.errors["EFFICIENT"].endswith("(tolerance 0.02; 1.00 ms)")
+    assert any(r.levelno == logging.WARNING and "EFFICIENT unusable (wrong result" in r.getMessage()
+               for r in caplog.records)
+    # two candidates that disagree: neither can be trusted -> None (the override then uses core's path)
+    two = {"A": good, "B": good + 1.0}
+    ch2 = A.BackendChooser(_timer_by_output(two, {"A": 1.0, "B": 2.0}, []))
+    assert ch2.choose("k", ("A", "B"), lambda c: two[c]) is None
+    assert set(ch2.choices["k"].errors) == {"A", "B"}
+
+
+def test_output_sample_and_rel_l2():
+    x = torch.arange(2 * 3 * 5000 * 2, dtype=torch.bfloat16).reshape(2, 3, 5000, 2)
+    smp = A.output_sample(x, rows=1000)
+    assert smp.dtype == torch.float32 and smp.shape == (2, 3, 1000, 2)        # stride 5
+    assert torch.equal(smp, x[..., ::5, :].float())
+    assert A.output_sample(torch.ones(1, 1, 10, 4)).shape == (1, 1, 10, 4)  # short: every row
+    assert A.rel_l2(torch.tensor([3.0, 4.0]), torch.tensor([0.0, 0.0])) == math.inf
+    assert A.rel_l2(torch.zeros(2), torch.zeros(2)) == 0.0
+    assert A.rel_l2(torch.tensor([1.0, 1.0]), torch.tensor([1.0, 0.0])) == 1.0
+
+
+# ---------------------------------------------------------------- the override on the CPU
+
+def _h3_qkv(s=40, heads=3, d=32, dtype=torch.float32, seed=0):
+    """q, k, v as H3 builds them: strided [1, heads, s, d] views of one qkv buffer (v cloned), q/k rows
+    RMS-normalised."""
+    g = torch.Generator().manual_seed(seed)
+    qkv = torch.randn(s, 3 * heads * d, generator=g, dtype=dtype)
+    q, k, v = qkv.split(heads * d, dim=-1)
+    q, k = (t.view(s, heads, d) for t in (q, k))
+    q = q / q.pow(2).mean(-1, keepdim=True).sqrt()
+    k = k / k.pow(2).mean(-1, keepdim=True).sqrt()
+    v = v.reshape(s, heads, d).clone()
+    return tuple(t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))
+
+
+def _cpu_exact():
+    """The SDPA path forced onto the CPU with the MATH backend (the only one PyTorch has there)."""
+    timer = lambda fn: (fn(), 1.0)[1]  # noqa: E731
+    return A.ExactAttention(chooser=A.BackendChooser(timer), candidates=("MATH",), devices=("cpu",))
+
+
+def _never(*a, **k):
+    raise AssertionError("core's function must not be called on the SDPA path")
+
+
+def test_exact_sdpa_path_matches_float64_reference_on_cpu():
+    q, k, v = _h3_qkv(s=50, heads=3, d=32)
+    ex = _cpu_exact()
+    out = ex(_never, q, k, v, 3, mask=None, skip_reshape=True, _inside_attn_wrapper=True)
+    assert out.shape == (1, 50, 96) and out.dtype == torch.float32
+    ref = A.reference_attention(q, k, v, dtype=torch.float64)            # [3, 50, 32]
+    ref = ref.transpose(0, 1).reshape(1, 50, 96)
+    rel = ((out.double() - ref).norm() / ref.norm()).item()
+    assert rel < 1e-6, rel
+    # skip_output_reshape keeps [B, heads, L, D]; [B, L, heads*D] inputs (skip_reshape=False) give the same
+    out4 = ex(_never, q, k, v, 3, skip_reshape=True, skip_output_reshape=True)
+    assert torch.equal(out4.transpose(1, 2).reshape(1, 50, 96), out)
+    flat = [t.transpose(1, 2).reshape(1, 50, 96) for t in (q, k, v)]
+    assert torch.equal(ex(_never, *flat, 3), out)
+    assert ex.calls == 3 and ex.delegated == 0
+
+
+def test_exact_delegates_to_core_where_it_does_not_apply():
+    q, k, v = _h3_qkv()
+    seen = []
+
+    def core(*args, **kwargs):
+        seen.append((args, kwargs))
+        return "core-result"
+
+    ex = A.ExactAttention(chooser=A.BackendChooser(lambda fn: _never()))   # default: cuda only
+    kw = dict(mask=None, skip_reshape=True, transformer_options={"x": 1}, _inside_attn_wrapper=True)
+    assert ex(core, q, k, v, 3, **kw) == "core-result"                     # CPU tensors
+    assert seen[-1][0][3] == 3 and seen[-1][0][0] is q and seen[-1][1] == kw  # passed through unchanged
+    cpu = _cpu_exact()
+    mask = torch.zeros(40, 40)
+    assert cpu(core, q, k, v, 3, mask=mask, skip_reshape=True) == "core-result"
+    assert cpu(core, q, k, v, 3, skip_reshape=True, enable_gqa=True) == "core-result"
+    assert cpu(core, q, k.double(), v, 3, skip_reshape=True) == "core-result"
+    assert ex.delegated == 1 and cpu.delegated == 3 and cpu.calls == 0
+
+
+def test_exact_override_is_process_wide():
+    assert A.exact_override() is A.exact_override()
+    assert A.exact_override().devices == ("cuda",)
+    assert A.exact_override().candidates == ("CUDNN_ATTENTION", "FLASH_ATTENTION", "EFFICIENT_ATTENTION")
+
+
+# ---------------------------------------------------------------- real ComfyUI
+
+@pytest.mark.comfyui
+def test_exact_matches_core_attention_through_wrap_attn(comfy):
+    """Core's own call convention (containers, skip_reshape, override lookup in wrap_attn): our SDPA path
+    equals core's attention functions on the CPU within fp32 rounding."""
+    import comfy.ldm.modules.attention as core
+
+    q, k, v = _h3_qkv(s=64, heads=4, d=32, seed=3)
+    ex = _cpu_exact()
+
+    def call(fn, override=None):
+        to = {} if override is None else {"optimized_attention_override": override}
+        c = [core.AttentionTensorContainer(t) for t in (q, k, v)]
+        return fn(*c, 4, mask=None, skip_reshape=True, transformer_options=to)
+
+    ours = call(core.optimized_attention, ex)
+    assert ex.calls == 1
+    for fn in (core.optimized_attention, core.attention_basic, core.attention_pytorch, core.attention_sub_quad):
+        theirs = call(fn)
+        assert theirs.shape == ours.shape == (1, 64, 128)
+        rel = ((ours - theirs).norm() / theirs.norm()).item()
+        assert rel < 1e-6, (fn.__name__, rel)
+    # the default (CUDA-only) exact override hands CPU calls to core's function: bit-identical
+    assert torch.equal(call(core.optimized_attention, A.ExactAttention()), call(core.optimized_attention))
+
+
+@pytest.mark.comfyui
+def test_node_sets_override_per_model(comfy, fixtures_dir):
+    import nodes
+    from h3_turbo.nodes.attention import H3TurboAttention
+
+    (model,) = nodes.UNETLoader().load_unet(os.path.basename(fixtures_dir["bf16"]), "default")
+    before = copy.copy(model.model_options["transformer_options"])
+    exact = H3TurboAttention.execute(model=model, backend="auto").result[0]
+    core_sdpa = H3TurboAttention.execute(model=model, backend="sdpa_core").result[0]
+    assert exact is not model and core_sdpa is not model
+    assert exact.model_options["transformer_options"]["optimized_attention_override"] is A.exact_override()
+    ov = core_sdpa.model_options["transformer_options"]["optimized_attention_override"]
+    assert ov is not A.exact_override() and callable(ov)
+    # the input model (and so any other branch of the graph using it) is untouched
+    assert "optimized_attention_override" not in model.model_options["transformer_options"]
+    assert model.model_options["transformer_options"] == before
+    # a model passed through the node twice keeps one override (the last one)
+    again = H3TurboAttention.execute(model=core_sdpa, backend="exact").result[0]
+    assert again.model_options["transformer_options"]["optimized_attention_override"] is A.exact_override()
+    assert core_sdpa.model_options["transformer_options"]["optimized_attention_override"] is ov
+    with pytest.raises(ValueError, match="unknown backend"):
+        H3TurboAttention.execute(model=model, backend="int8")
+
+
+def _prompt(prefix, with_node):
+    p = {
+        "1": {"class_type": "UNETLoader", "inputs": {"unet_name": "h3_tiny_bf16.safetensors", "weight_dtype": "default"}},
+        "2": {"class_type": "LoraLoaderModelOnly", "inputs": {"model": ["1", 0], "lora_name": "h3_tiny_turbo_4step_comfyui_bf16.safetensors", "strength_model": 1.0}},
+        "3": {"class_type": "MiniMaxH3SigmaShift", "inputs": {"model": ["2", 0], "shift_video": 6.0, "shift_audio": 3.0}},
+        "4": {"class_type": "H3TurboTestConditioning", "inputs": {"model": ["3", 0], "seed": 0, "tokens": 16}},
+        "5": {"class_type": "BasicGuider", "inputs": {"model": ["3", 0], "conditioning": ["4", 0]}},
+        "6": {"class_type": "BasicScheduler", "inputs": {"model": ["3", 0], "scheduler": "simple", "steps": 4, "denoise": 1.0}},
+        "7": {"class_type": "KSamplerSelect", "inputs": {"sampler_name": "euler"}},
+        "8": {"class_type": "RandomNoise", "inputs": {"noise_seed": 42}},
+        "9": {"class_type": "EmptyMiniMaxH3LatentAV", "inputs": {"width": 128, "height": 96, "length": 22}},
+        "10": {"class_type": "SamplerCustomAdvanced", "inputs": {"noise": ["8", 0], "guider": ["5", 0], "sampler": ["7", 0], "sigmas": ["6", 0], "latent_image": ["9", 0]}},
+        "11": {"class_type": "LTXVSeparateAVLatent", "inputs": {"av_latent": ["10", 0]}},
+        "12": {"class_type": "SaveLatent", "inputs": {"samples": ["11", 0], "filename_prefix": f"{prefix}/video"}},
+        "13": {"class_type": "SaveLatent", "inputs": {"samples": ["11", 1], "filename_prefix": f"{prefix}/audio"}},
+    }
+    if with_node:
+        p["20"] = {"class_type": "H3TurboAttention", "inputs": {"model": ["1", 0], "backend": "auto"}}
+        p["2"]["inputs"]["model"] = ["20", 0]
+    return p
+
+
+@pytest.mark.comfyui
+def test_node_in_real_graph_is_bit_identical_on_cpu(comfy):
+    """UNETLoader -> H3TurboAttention(auto) -> ... sampled on the CPU: the override is really consulted
+    for every attention call of the 50 DiT blocks, hands each to core's path, and the latents are
+    bit-identical to the same graph without the node."""
+    import folder_paths
+    from safetensors.torch import load_file
+
+    ov = A.exact_override()
+    d0 = ov.delegated
+    comfy.run(_prompt("h3attn_without", False))
+    assert ov.delegated == d0                                   # the graph without the node never reaches it
+    comfy.run(_prompt("h3attn_with", True))
+    n = ov.delegated - d0
+    # 4 euler steps x 50 DiT blocks. The 2 text-refiner blocks run in extra_conds (once per sampling run)
+    # without the model's transformer_options, so core's attention serves them, override or not.
+    assert n == 4 * 50, n
+    assert ov.calls == 0
+    out = folder_paths.get_output_directory()
+    for part in ("video", "audio"):
+        a = load_file(os.path.join(out, "h3attn_without", f"{part}_00001_.latent"))["latent_tensor"]
+        b = load_file(os.path.join(out, "h3attn_with", f"{part}_00001_.latent"))["latent_tensor"]
+        assert a.shape == b.shape and torch.isfinite(a).all() and a.float().std() > 0.01
+        assert torch.equal(a, b), part

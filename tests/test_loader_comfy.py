@@ -1,0 +1,326 @@
+"""Issue 3: ``H3TurboNVFP4Loader`` in the real ComfyUI (CPU): every format loads and samples, the native
+file through our loader equals core's UNETLoader bit for bit, failed loads leave loaded models alone,
+and the memory size reported to ComfyUI is the packed size."""
+from __future__ import annotations
+
+import hashlib
+import os
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from h3_turbo.harness import PromptFailed
+from h3_turbo.tools.variants import damage, make_format_variants
+
+pytestmark = pytest.mark.comfyui
+
+VAR = "h3t_variants"
+
+
+@pytest.fixture(scope="module")
+def variants(comfy, fixtures_dir):
+    if "nvfp4" not in fixtures_dir:
+        pytest.skip("comfy-kitchen missing: no NVFP4 fixture")
+    d = os.path.join(fixtures_dir["root"], "diffusion_models", VAR)
+    paths = make_format_variants(fixtures_dir["nvfp4"], fixtures_dir["bf16"], d)
+    return {k: f"{VAR}/{os.path.basename(p)}" for k, p in paths.items()} | {"_dir": d}
+
+
+def _prompt(loader: dict, lora: str | None = None, prefix: str = "h3t/x",
+            lora_node: str = "LoraLoaderModelOnly") -> dict:
+    p = {
+        "1": loader,
+        "3": {"class_type": "MiniMaxH3SigmaShift", "inputs": {"model": ["2" if lora else "1", 0],
+                                                                "shift_video": 6.0, "shift_audio": 3.0}},
+        "4": {"class_type": "H3TurboTestConditioning", "inputs": {"model": ["3", 0], "seed": 0, "tokens": 8}},
+        "5": {"class_type": "BasicGuider", "inputs": {"model": ["3", 0], "conditioning": ["4", 0]}},
+        "6": {"class_type": "BasicScheduler", "inputs": {"model": ["3", 0], "scheduler": "simple", "steps": 1,
+                                                          "denoise": 1.0}},
+        "7": {"class_type": "KSamplerSelect", "inputs": {"sampler_name": "euler"}},
+        "8": {"class_type": "RandomNoise", "inputs": {"noise_seed": 42}},
+        "9": {"class_type": "EmptyMiniMaxH3LatentAV", "inputs": {"width": 64, "height": 64, "length": 5}},
+        "10": {"class_type": "SamplerCustomAdvanced", "inputs": {"noise": ["8", 0], "guider": ["5", 0],
+                                                                 "sampler": ["7", 0], "sigmas": ["6", 0],
+                                                                 "latent_image": ["9", 0]}},
+        "11": {"class_type": "LTXVSeparateAVLatent", "inputs": {"av_latent": ["10", 0]}},
+        "12": {"class_type": "SaveLatent", "inputs": {"samples": ["11", 0], "filename_prefix": prefix + "_v"}},
+        "13": {"class_type": "SaveLatent", "inputs": {"samples": ["11", 1], "filename_prefix": prefix + "_a"}},
+    }
+    if lora:
+        p["2"] = {"class_type": lora_node, "inputs": {"model": ["1", 0], "lora_name": lora,
+                                                                   "strength_model": 1.0}}
+    return p
+
+
+def _ours(name, compute="reference"):
+    return {"class_type": "H3TurboNVFP4Loader", "inputs": {"unet_name": name, "compute": compute}}
+
+
+def _core(name):
+    return {"class_type": "UNETLoader", "inputs": {"unet_name": name, "weight_dtype": "default"}}
+
+
+def _sample(comfy, loader, lora=None, lora_node="LoraLoaderModelOnly") -> tuple[torch.Tensor, torch.Tensor]:
+    import folder_paths
+
+    out = comfy.run(_prompt(loader, lora, lora_node=lora_node))
+    res = []
+    for node in ("12", "13"):
+        info = out[node]["latents"][0]
+        path = os.path.join(folder_paths.get_output_directory(), info["subfolder"], info["filename"])
+        res.append(load_file(path)["latent_tensor"])
+    assert all(torch.isfinite(r).all() for r in res)
+    return res[0], res[1]
+
+
+def _eq(a, b):
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
+
+
+@pytest.fixture(scope="module")
+def native_sample(comfy, fixtures_dir):
+    if "nvfp4" not in fixtures_dir:
+        pytest.skip("no NVFP4 fixture")
+    return _sample(comfy, _ours("h3_tiny_nvfp4.safetensors"))
+
+
+def test_native_reference_equals_core_unetloader(comfy, native_sample):
+    v, a = native_sample
+    cv, ca = _sample(comfy, _core("h3_tiny_nvfp4.safetensors"))
+    assert _eq(v, cv) and _eq(a, ca)
+    assert v.shape[1] == 24 and a.shape[1] == 32 and float(v.std()) > 0.1
+
+
+@pytest.mark.parametrize("name", ["metadata", "modelopt_lo_linear", "modelopt_hi_linear_meta",
+                                  "modelopt_lo_swizzled_meta", "prefixed", "native_input_scale", "bf16_prefixed"])
+def test_each_format_samples_like_native(comfy, variants, native_sample, name):
+    v, a = _sample(comfy, _ours(variants[name]))
+    # lossless conversions, and BF16 quantized on load with our quantizer (= comfy-kitchen's) -> identical
+    assert _eq(v, native_sample[0]) and _eq(a, native_sample[1])
+
+
+def test_bf16_file_quantized_on_load_samples_like_native(comfy, native_sample):
+    v, a = _sample(comfy, _ours("h3_tiny_bf16.safetensors"))
+    assert _eq(v, native_sample[0]) and _eq(a, native_sample[1])
+
+
+def test_lightx2v_samples_close_to_native(comfy, variants, native_sample):
+    v, a = _sample(comfy, _ours(variants["lightx2v"]))
+    # weight_scale_2 = 1/weight_global_scale is within 1 fp32 ulp of the native scale on 32 layers
+    assert float((v - native_sample[0]).abs().max()) < 1e-4 and float((a - native_sample[1]).abs().max()) < 1e-4
+
+
+@pytest.mark.parametrize("lora_node", ["LoraLoaderModelOnly", "LoraLoaderBypassModelOnly"])
+def test_core_lora_loader_on_our_model_equals_core(comfy, fixtures_dir, native_sample, lora_node):
+    lora = os.path.basename(fixtures_dir["lora_4step"])
+    v, a = _sample(comfy, _ours("h3_tiny_nvfp4.safetensors"), lora=lora, lora_node=lora_node)
+    cv, ca = _sample(comfy, _core("h3_tiny_nvfp4.safetensors"), lora=lora, lora_node=lora_node)
+    assert _eq(v, cv) and _eq(a, ca)
+    assert float((v - native_sample[0]).abs().max()) > 1e-3     # the LoRA did something
+
+
+def _hash_model(mp) -> str:
+    h = hashlib.sha256()
+    for k, t in sorted(mp.model.state_dict().items()):
+        h.update(k.encode())
+        h.update(t.detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+def test_failed_loads_leave_loaded_model_untouched(comfy, fixtures_dir, variants):
+    from h3_turbo import state
+    from h3_turbo.nodes.loader import H3TurboNVFP4Loader
+
+    mp = H3TurboNVFP4Loader.execute("h3_tiny_nvfp4.safetensors", "reference")[0]
+    before = _hash_model(mp)
+    d = variants["_dir"]
+    bad_scales = load_file(os.path.join(d, "h3_tiny_native_input_scale.safetensors"))
+    b = bad_scales["blocks.2.mlp.fc2.weight_scale"].view(torch.uint8).clone()
+    b[0, 0] = 0x7F
+    bad_scales["blocks.2.mlp.fc2.weight_scale"] = b.view(torch.float8_e4m3fn)
+    save_file(bad_scales, os.path.join(d, "bad_nan_scale.safetensors"))
+    damage(fixtures_dir["nvfp4"], "truncated", os.path.join(d, "bad_truncated.safetensors"))
+    damage(fixtures_dir["nvfp4"], "lfs_pointer", os.path.join(d, "bad_lfs.safetensors"))
+    import shutil
+
+    shutil.copy(fixtures_dir["lora_8step"], os.path.join(d, "bad_is_lora.safetensors"))
+    cases = {"bad_nan_scale": ("blocks.2.mlp.fc2.weight_scale", "1 block scales are NaN"),
+             "bad_truncated": ("file is truncated", "re-download"),
+             "bad_lfs": ("Git LFS pointer", "git lfs pull"),
+             "bad_is_lora": ("not a MiniMax H3 diffusion model", "LoRA adapter")}
+    n_loaded = len(state.snapshot()["loaded_models"])
+    for name, texts in cases.items():
+        with pytest.raises(PromptFailed) as ei:
+            comfy.run(_prompt(_ours(f"{VAR}/{name}.safetensors")))
+        msg = str(ei.value)
+        assert f"{name}.safetensors" in msg and all(t in msg for t in texts), msg
+    assert _hash_model(mp) == before
+    assert len(state.snapshot()["loaded_models"]) == n_loaded
+    # and the model still samples exactly like a fresh load
+    v, a = _sample(comfy, _ours("h3_tiny_nvfp4.safetensors"))
+    assert torch.isfinite(v).all()
+
+
+def test_model_size_reported_is_packed(comfy, fixtures_dir):
+    import comfy.sd
+
+    from h3_turbo import state
+    from h3_turbo.formats.detect import detect
+    from h3_turbo.formats.safetensors_io import read_header
+    from h3_turbo.nodes.loader import load_h3_model
+
+    ours = load_h3_model(fixtures_dir["nvfp4"], "reference")
+    plain = comfy.sd.load_diffusion_model(fixtures_dir["bf16"])
+    det = detect(read_header(fixtures_dir["nvfp4"]))
+    # every projection: the plain model keeps N*K elements of its dtype, ours the packed bytes
+    item = plain.model.diffusion_model.blocks[0].mlp.fc1.weight.element_size()
+    proj_plain = sum(q.n * q.k for q in det.quant_layers.values()) * item
+    assert plain.model_size() - ours.model_size() == proj_plain - det.packed_bytes
+    assert det.packed_bytes == 1252160 + 208 * 19 and det.packed_bytes < 0.3 * proj_plain / item * 2
+    rec = state.snapshot()["loaded_models"][fixtures_dir["nvfp4"]]
+    assert rec["packed_bytes"] == det.packed_bytes and rec["bytes"] == ours.model_size()
+    assert rec["format"] == "comfy_native" and rec["compute"] == "reference"
+
+
+def test_cached_patcher_init_rebuilds(comfy, fixtures_dir):
+    from h3_turbo.nodes.loader import load_h3_model
+
+    mp = load_h3_model(fixtures_dir["nvfp4"], "auto")
+    fn, args = mp.cached_patcher_init
+    again = fn(*args, disable_dynamic=True)
+    assert type(again).__name__ == "ModelPatcher" and again is not mp
+    assert _hash_model(again) == _hash_model(mp)
+    clone = mp.clone(disable_dynamic=True)   # core's non-dynamic delegate path needs cached_patcher_init
+    assert clone is not None
+
+
+def test_compute_modes_on_cpu(comfy, fixtures_dir, caplog):
+    from h3_turbo.nodes.loader import load_h3_model, resolve_compute
+
+    assert resolve_compute("auto", torch.device("cpu"))[0] == "reference"
+    assert resolve_compute("reference", torch.device("cpu")) == ("reference", "requested")
+    mp = load_h3_model(fixtures_dir["nvfp4"], "auto")
+    assert mp.model_options["h3_turbo"]["compute"] == "reference"
+    for c in ("exact", "fp8"):
+        with pytest.raises(PromptFailed, match=f"compute={c}"):
+            comfy.run(_prompt(_ours("h3_tiny_nvfp4.safetensors", c)))
+    with pytest.raises(ValueError, match="expected one of auto, exact, fp8, reference"):
+        resolve_compute("fast", torch.device("cpu"))
+
+
+def test_progress_bar_while_quantizing(comfy, fixtures_dir):
+    import comfy.utils
+
+    from h3_turbo.nodes.loader import load_h3_model
+
+    seen = []
+    old = comfy.utils.PROGRESS_BAR_HOOK
+    comfy.utils.set_progress_bar_global_hook(lambda v, t, preview=None, node_id=None: seen.append((v, t)))
+    try:
+        load_h3_model(fixtures_dir["bf16"], "reference")
+    finally:
+        comfy.utils.set_progress_bar_global_hook(old)
+    assert seen[0] == (1, 208) and seen[-1] == (208, 208)
+
+
+def test_fp32_island_operations(comfy):
+    from comfy_kitchen.tensor import QuantizedTensor
+
+    from h3_turbo.formats import nvfp4
+    from h3_turbo.nodes.loader import make_operations
+
+    ops = make_operations(torch.device("cpu"), compute_dtype=torch.bfloat16)
+    island = ops.Linear(64, 32, bias=True, dtype=torch.float32)
+    normal = ops.Linear(64, 32, bias=True, dtype=None)
+    w = torch.randn(32, 64)
+    for m in (island, normal):
+        m.load_state_dict({"weight": w, "bias": torch.ones(32)}, strict=False)
+    assert island.weight.dtype == torch.float32 and island.bias.dtype == torch.float32
+    assert torch.equal(island.weight, w)
+    assert normal.weight.dtype == torch.bfloat16 and normal.bias.dtype == torch.bfloat16
+    # a quantized layer still loads as core's QuantizedTensor
+    q, bs, s = nvfp4.quantize(w.to(torch.bfloat16))
+    ql = ops.Linear(64, 32, bias=False, dtype=None)
+    ql.load_state_dict({"weight": q, "weight_scale": bs, "weight_scale_2": s,
+                        "comfy_quant": torch.tensor(list(b'{"format": "nvfp4"}'), dtype=torch.uint8)}, strict=False)
+    assert isinstance(ql.weight, QuantizedTensor)
+    x = torch.randn(3, 64, dtype=torch.bfloat16)
+    ref = torch.nn.functional.linear(x, nvfp4.dequantize(q, s, bs, torch.bfloat16))
+    assert torch.equal(ql(x), ref)
+
+
+def test_pre_quant_scale_applies_to_base_path_only(comfy, variants):
+    from h3_turbo.formats import nvfp4
+    from h3_turbo.nodes.loader import load_h3_model
+
+    d = variants["_dir"]
+    sd = load_file(os.path.join(d, "h3_tiny_native_input_scale.safetensors"))
+    pqs = torch.linspace(0.5, 2.0, 64)
+    sd["blocks.0.mlp.fc1.pre_quant_scale"] = pqs
+    p = os.path.join(d, "pqs.safetensors")
+    save_file(sd, p)
+    mp = load_h3_model(p, "reference")
+    fc1 = mp.model.diffusion_model.blocks[0].mlp.fc1
+    assert torch.equal(fc1.pre_quant_scale.float(), pqs)
+    x = torch.randn(5, 64, dtype=fc1.pre_quant_scale.dtype)
+    w = nvfp4.dequantize(sd["blocks.0.mlp.fc1.weight"], sd["blocks.0.mlp.fc1.weight_scale_2"],
+                         sd["blocks.0.mlp.fc1.weight_scale"], x.dtype)
+    assert torch.equal(fc1(x), torch.nn.functional.linear(x * pqs.to(x.dtype), w))
+    # a branch installed by wrapping module.forward from outside sees the unsmoothed x
+    seen = []
+    base = fc1.forward
+
+    def wrapped(inp, *a, **k):
+        seen.append(inp)
+        return base(inp, *a, **k)
+
+    fc1.forward = wrapped
+    try:
+        fc1(x)
+    finally:
+        del fc1.forward
+    assert torch.equal(seen[0], x)
+
+
+def test_kernel_dispatch_plumbing_on_cpu(comfy, fixtures_dir, native_sample):
+    """compute paths other than reference route the 208 projections through kernels.dispatch.linear;
+    on a CPU the dispatcher computes its reference (fp32 ``(E2M1*bs)*gs``) -> close to core's output."""
+    pytest.importorskip("h3_turbo.kernels.dispatch")
+    from h3_turbo.kernels import dispatch
+    from h3_turbo.nodes.loader import install_compute, load_h3_model
+
+    mp = load_h3_model(fixtures_dir["nvfp4"], "reference")
+    calls = []
+    real = dispatch.linear
+
+    def spy(x, prepared, path, bias=None):
+        calls.append(path)
+        return real(x, prepared, path, bias)
+
+    assert install_compute(mp, "exact") == 208
+    fc2 = mp.model.diffusion_model.blocks[4].mlp.fc2
+    x = torch.randn(7, 128)
+    dispatch.linear = spy
+    try:
+        y = fc2(x)
+    finally:
+        dispatch.linear = real
+    assert calls == ["exact"]
+    from h3_turbo.formats import nvfp4
+
+    w = fc2.weight
+    ref = torch.nn.functional.linear(x, nvfp4.dequantize_fp64(w._qdata, w._params.scale, w._params.block_scale).float())
+    assert float((y - ref).abs().max()) < 1e-5 * float(ref.abs().max())
+    assert install_compute(mp, "reference") == 208 and fc2._h3_path is None
+
+
+def test_kernel_extra_bytes_accounting(comfy):
+    from h3_turbo.nodes.loader import kernel_extra_bytes
+
+    full = [(21504, 5376), (5376, 7168), (28672, 5376), (5376, 14336)] * 52   # real H3 projections
+    nk = sum(n * k for n, k in full)
+    assert nk == 20_038_287_360          # H3_FACTS §1: "20.04 B"
+    assert kernel_extra_bytes(full, "reference") == 0 and kernel_extra_bytes(full, "blackwell_fp4") == 0
+    assert kernel_extra_bytes(full, "exact") == nk // 2 + nk // 16 + 4 * 208
+    assert kernel_extra_bytes(full, "fp8") == nk + 4 * sum(n for n, _ in full)

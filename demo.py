@@ -35,6 +35,30 @@ def _stage(name: str, t0: float) -> float:
     return t
 
 
+def _provide_first_frames(prompt: dict) -> None:
+    """For each ``LoadImage`` whose file is not in ComfyUI's input folder, write scikit-image's bundled
+    ``astronaut`` photo (512x512 RGB) under that name, so the real FL2VA workflows run out of the box.
+    Raises RuntimeError naming the file when scikit-image is not installed."""
+    import folder_paths
+
+    for nid, node in prompt.items():
+        if node.get("class_type") != "LoadImage":
+            continue
+        name = node["inputs"].get("image")
+        path = Path(folder_paths.get_input_directory()) / str(name)
+        if path.exists():
+            continue
+        try:
+            from PIL import Image
+            from skimage import data
+        except ImportError as e:
+            raise RuntimeError(f"node {nid} (LoadImage) needs {path}; put a first-frame image there "
+                               "(or install scikit-image for its bundled photo)") from e
+        path.parent.mkdir(parents=True, exist_ok=True)
+        Image.fromarray(data.astronaut()).save(path)
+        print(f"[h3-turbo demo] first frame: scikit-image's bundled 'astronaut' photo -> {path}")
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m h3_turbo.demo", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -82,6 +106,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"[h3-turbo demo] cannot read workflow {wf_path}: {e}", file=sys.stderr)
         return 2
     print(f"[h3-turbo demo] workflow: {wf_path}")
+    try:
+        _provide_first_frames(prompt)
+    except RuntimeError as e:
+        print(f"[h3-turbo demo] {e}", file=sys.stderr)
+        return 2
     try:
         outputs = runner.run(prompt)
     except PromptFailed as e:

@@ -16,6 +16,8 @@ exactly ``E2M1 * bs``. Set ``TRITON_INTERPRET=1`` before importing triton to run
 """
 from __future__ import annotations
 
+import inspect
+import logging
 import os
 
 import torch
@@ -169,8 +171,13 @@ def _prune(configs, named_args, **kw):
     return out or configs
 
 
+# Autotuning a new (M bucket, N, K) takes tens of seconds on first use: keep the results on disk
+# (Triton's cache) where this Triton supports it, and say so once per shape.
+_AUTOTUNE_DISK = {"cache_results": True} if "cache_results" in inspect.signature(triton.autotune).parameters else {}
 _gemm_tuned = triton.autotune(configs=_gemm_configs(), key=["M_BUCKET", "N", "K", "HAS_LORA"],
-                              prune_configs_by={"early_config_prune": _prune})(_nvfp4_gemm_kernel)
+                              prune_configs_by={"early_config_prune": _prune}, **_AUTOTUNE_DISK)(_nvfp4_gemm_kernel)
+_tuned_keys: set = set()
+_log = logging.getLogger("h3_turbo")
 
 #: config forced by tests / callers (dict of BM, BN, GROUP_M, num_warps, num_stages) or None = autotune
 FORCED_CONFIG: dict | None = None
@@ -224,6 +231,12 @@ def gemm_exact(x2d: torch.Tensor, qs: torch.Tensor, scales: torch.Tensor, gs: to
         _nvfp4_gemm_kernel[g](*common, HAS_LORA=has_lora, BR=br, EVEN_K=(k % 128 == 0), **c,
                               num_warps=nw, num_stages=ns)
     else:
+        key = (m_bucket(m), n, k, has_lora)
+        if key not in _tuned_keys:
+            _tuned_keys.add(key)
+            _log.info("H3 Turbo exact: autotuning the fused NVFP4 GEMM for rows<=%d N=%d K=%d%s "
+                      "(first use of this shape; can take ~10-50 s%s)", key[0], n, k, " +LoRA" if has_lora else "",
+                      ", cached on disk" if _AUTOTUNE_DISK else "")
         _gemm_tuned[grid](*common, HAS_LORA=has_lora, BR=br, EVEN_K=(k % 128 == 0))
     return out
 

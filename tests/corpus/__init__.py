@@ -25,6 +25,10 @@ MODEL_CASES = (
     "scale_wrong_dtype", "global_scale_nan", "global_scale_inf", "global_scale_zero", "block_scale_nan",
     "missing_weight_scale", "wan_like", "bf16_shape_vs_config",
 )
+# BF16 files whose __metadata__["config"]["transformer"] (merged by core's detect_unet_config over the
+# sizes read from the shapes) disagrees with the shapes / is a legitimate non-shape override
+CONFIG_CASES = {"bf16_config_ffn": {"ffn_hidden_size": 192}, "bf16_config_layers": {"num_layers": 51},
+                "bf16_config_shift": {"sigma_shift_video": 7.0}}
 ADAPTER_BAD_CASES = ("missing_targets", "extra_adaln_proj", "extra_final_layer", "other_hidden", "alpha_missing",
                      "lora_b_missing", "alpha_vs_metadata")
 ADAPTER_OK_CASES = ("bare_keys", "peft_default", "diffusers_twin", "diffusers_twin_fc1_swapped")
@@ -102,6 +106,9 @@ def build_model_corpus(fixtures: dict, out_dir: str) -> dict[str, str]:
     bsd["blocks.7.mlp.fc1.weight"] = torch.zeros(2 * 192, cfg["hidden"], dtype=torch.bfloat16)
     out["bf16_shape_vs_config"] = _save(bsd, p("bf16_shape_vs_config"), bmeta)
     assert set(out) == set(MODEL_CASES)
+    bsd, bmeta = _load(fixtures["bf16"])
+    for name, tr in CONFIG_CASES.items():
+        out[name] = _save(bsd, p(name), dict(bmeta, config=json.dumps({"transformer": tr})))
     _MEMO[key] = out
     return dict(out)
 

@@ -91,6 +91,10 @@ def main(argv: list[str] | None = None) -> int:
         t = _stage("fixtures (tiny H3: 50+2 blocks, BF16 + NVFP4, two Turbo LoRAs)", t0)
     else:
         models = args.models
+        if not os.path.isdir(models):
+            print(f"[h3-turbo demo] --models {models}: not a folder (expected a ComfyUI models tree with "
+                  "diffusion_models/, loras/, ...)", file=sys.stderr)
+            return 2
         t = t0
 
     runner = boot(path, cpu=not args.gpu)

@@ -365,12 +365,12 @@ class TurboBranch:
         return h3turbo_lora_coverage
 
     def outer_sample_wrapper(self, on_start=None):
-        """A ``WrappersMP.OUTER_SAMPLE`` wrapper: ``on_start()``, reset run counters, sample, check that every
-        target (token refiner included) ran during the run."""
+        """A ``WrappersMP.OUTER_SAMPLE`` wrapper: ``on_start(executor)``, reset run counters, sample, check that
+        every target (token refiner included) ran during the run. ``executor.class_obj`` is core's guider."""
 
         def h3turbo_lora_run(executor, *args, **kwargs):
             if on_start is not None:
-                on_start()
+                on_start(executor)
             self.reset_run()
             out = executor(*args, **kwargs)
             self.check_run_coverage()

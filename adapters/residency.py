@@ -21,6 +21,8 @@ import threading
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
+import torch
+
 from .. import state
 from . import contracts, turbo_lora
 from .branch import AdapterModule, TurboBranch
@@ -178,6 +180,36 @@ def note_sampling_run(model_options: dict) -> str:
     return name
 
 
+def refuse_merged_duplicate(model_patcher, resident: ResidentAdapter, alias: str) -> None:
+    """Raise TurboLoRAError when the sampled MODEL also carries ``resident``'s own weights as a MERGED
+    LoRA patch (e.g. core's LoraLoaderModelOnly with the same file after this node): the adapter would
+    then act twice (runtime branch + merged weights = 2x strength).
+
+    Identified by comparing each target's LoRA ``A`` (down) tensor in core's weight patches with the
+    resident adapter's ``A`` (bit-exact, same shape). Other merged LoRAs (styles...) are allowed.
+    """
+    patches = getattr(model_patcher, "patches", None) or {}
+    if not patches:
+        return
+    dup = []
+    for target in resident.module.targets:
+        for p in patches.get(f"diffusion_model.{target}.weight", ()):
+            weights = getattr(p[1], "weights", None)
+            if not weights or len(weights) < 2 or not isinstance(weights[1], torch.Tensor):
+                continue
+            down, a = weights[1], resident.module.get(target).A
+            if down.shape == a.shape and torch.equal(down.to(a.device, a.dtype), a):
+                dup.append(target)
+                break
+        if len(dup) >= 3:
+            break
+    if dup:
+        raise turbo_lora.TurboLoRAError(
+            f"Turbo LoRA {alias!r} ({resident.file}) is applied twice: as the H3 Turbo runtime branch AND merged "
+            f"into the weights by another LoRA loader (same tensors on {', '.join(dup)}...). That is 2x strength. "
+            "Remove the core LoRA loader (LoraLoaderModelOnly) for this file: H3TurboLoRA already applies it.")
+
+
 def install(model_patcher, resident: ResidentAdapter, strength: float, alias: str) -> tuple:
     """Install the branch of ``resident`` at ``strength`` on ``model_patcher`` (must be a CLONE).
 
@@ -190,12 +222,19 @@ def install(model_patcher, resident: ResidentAdapter, strength: float, alias: st
 
     dm = model_patcher.model.diffusion_model
     resident.validate_for(turbo_lora.model_target_dims(dm))
+    previous = contracts.copy_entry(model_patcher.model_options)
+    if previous.get("adapter"):
+        log.warning("Apply H3 Turbo LoRA: this MODEL already carries the Turbo adapter %r (%s); it is replaced by "
+                    "%r (%s): Turbo adapters do not stack", previous["adapter"], previous.get("adapter_file"),
+                    alias, resident.file)
     branch = TurboBranch(resident.module, strength, name=alias)
     model_patcher.set_injections(WRAPPER_KEY, branch.patcher_injections())
     model_patcher.remove_wrappers_with_key(pe.WrappersMP.DIFFUSION_MODEL, WRAPPER_KEY)
     model_patcher.add_wrapper_with_key(pe.WrappersMP.DIFFUSION_MODEL, WRAPPER_KEY, branch.diffusion_model_wrapper())
 
-    def on_start():
+    def on_start(executor):
+        guider = getattr(executor, "class_obj", None)
+        refuse_merged_duplicate(getattr(guider, "model_patcher", None), resident, alias)
         state.set_current_turbo(alias)
         with _lock:
             if resident.key in _cache:

@@ -70,8 +70,13 @@ def recognize(path: str, name: str | None = None) -> dict | None:
     art = contracts.by_filename(base)
     if art is not None:
         c = art.contract
-        return dict(item, variant=c.variant, source="filename", expected_sha256=art.sha256, nfe=c.nfe,
-                    shift_video=c.shift_video, shift_audio=c.shift_audio)
+        out = dict(item, variant=c.variant, source="filename", expected_sha256=art.sha256, nfe=c.nfe,
+                   shift_video=c.shift_video, shift_audio=c.shift_audio)
+        try:
+            _read_header(path)  # header-only: names a Git LFS pointer / truncation before any hashing
+        except Exception as e:
+            out.update(verified=False, error=str(e))
+        return out
     if not base.endswith(".safetensors"):
         return None
     try:

@@ -258,24 +258,25 @@ def cached_sha256(path: str) -> str | None:
 
 
 def read_header(path: str) -> tuple[dict[str, dict], dict[str, str]]:
-    """The safetensors header of ``path``: ({key: {"dtype", "shape", ...}}, __metadata__). Reads only the header.
+    """The safetensors header of ``path``: ({key: {"dtype", "shape"}}, __metadata__). Reads only the header,
+    and checks the whole container like the model loader does (``formats.safetensors_io.read_header``:
+    Git LFS pointer, truncated download, header larger than the file, trailing bytes, ...).
 
-    Raises TurboLoRAError (naming the file) when it is not a safetensors file.
+    Raises TurboLoRAError naming the file and the cause.
     """
+    from ..formats.safetensors_io import CheckpointError
+    from ..formats.safetensors_io import read_header as read_container
+
     try:
-        with open(path, "rb") as f:
-            raw = f.read(8)
-            if len(raw) != 8:
-                raise ValueError("shorter than 8 bytes")
-            n = int.from_bytes(raw, "little")
-            if n <= 0 or n > 100_000_000:
-                raise ValueError(f"header length {n} out of range")
-            hdr = json.loads(f.read(n))
-    except (OSError, ValueError) as e:
-        raise TurboLoRAError(f"Turbo LoRA {path}: not a readable safetensors file ({e}); "
-                             "a partial download or a git-LFS pointer?") from e
-    meta = hdr.pop("__metadata__", None) or {}
-    return hdr, {str(k): str(v) for k, v in meta.items()}
+        hdr = read_container(path)
+    except CheckpointError as e:
+        raise TurboLoRAError(f"Turbo LoRA {e}") from None
+    tensors = {k: {"dtype": t.dtype, "shape": list(t.shape)} for k, t in hdr.tensors.items()}
+    if tensors and not any(".lora_" in k or k.endswith((".alpha", "lora_A", "lora_B")) for k in tensors):
+        raise TurboLoRAError(f"Turbo LoRA {path}: not a LoRA adapter ({len(tensors)} tensors, none named "
+                             "*.lora_A / *.lora_B): is it a diffusion model? Put models in models/diffusion_models "
+                             "and pick a Turbo LoRA file here")
+    return tensors, {str(k): str(v) for k, v in hdr.metadata.items()}
 
 
 # ---------------------------------------------------------------------------------------------

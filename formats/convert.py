@@ -336,9 +336,21 @@ def write_native(in_path: str, out_path: str, include=None, exclude=None, nibble
     """
     if os.path.abspath(in_path) == os.path.abspath(out_path):
         raise CheckpointError(in_path, "output path equals the input path", expected="a different file")
+    if os.path.isdir(out_path):
+        raise CheckpointError(out_path, "output path is a directory", expected="a file name, e.g. DIR/model_nvfp4.safetensors")
+    out_dir = os.path.dirname(os.path.abspath(out_path))
+    if not os.path.isdir(out_dir):
+        raise CheckpointError(out_path, f"output folder {out_dir} does not exist", expected="an existing folder")
+    dev = torch.device(device)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise CheckpointError(in_path, f"--device {device} asked for, but no CUDA GPU is available here",
+                              expected="--device cpu")
     det = detect(read_header(in_path))
     det.raise_if_errors()
     plan = make_plan(det, include, exclude, nibble_order, scale_layout)
+    if not plan.quantize and not plan.convert:
+        raise CheckpointError(in_path, f"nothing to write: no layer matched --include {include or []} "
+                                       f"/ --exclude {exclude or []}", expected="at least one layer to quantize")
     write_safetensors_stream(out_path, iter_native(plan, progress=progress, device=device), output_plan(plan),
                              native_metadata(plan))
     return plan

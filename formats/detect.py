@@ -266,6 +266,7 @@ def detect(header: Header, read_small: bool = True) -> Detection:
     det.config = cfg
     if cfg is not None:
         _validate_blocks(det, T, cfg)
+        _validate_metadata_config(det, cfg)
     _validate_quant_layers(det, T, small)
     return det
 
@@ -470,6 +471,38 @@ def _detect_config(det: Detection, T: dict[str, TensorInfo]) -> H3Config | None:
     if layers == 0:
         det.error("no DiT blocks (blocks.N.*)")
     return cfg
+
+
+# core's MiniMaxH3Model constructor args that core's detector reads from the shapes, and the H3Config field
+# holding the shape-derived value. core merges __metadata__["config"]["transformer"] over the detected
+# values (comfyui-h3.md §2.1), so a disagreeing override builds a model the weights do not fit.
+SHAPE_CONFIG_KEYS = {"hidden_size": "hidden", "num_layers": "layers", "token_refiner_num_layers": "refiner_layers",
+                     "num_attention_heads": "heads", "attention_head_dim": "head_dim", "ffn_hidden_size": "ffn",
+                     "text_dim": "text_dim", "latents_dim": "latents_dim", "audio_latents_dim": "audio_latents_dim"}
+
+
+def _validate_metadata_config(det: Detection, cfg: H3Config) -> None:
+    """Check ``__metadata__["config"]`` (JSON, ``["transformer"]`` merged over the detected sizes by core)
+    against the sizes read from the shapes. Other keys (e.g. ``sigma_shift_video``) are legitimate overrides."""
+    raw = det.metadata.get("config")
+    if raw is None:
+        return
+    try:
+        conf = json.loads(raw)
+    except (TypeError, ValueError) as e:
+        det.error(f"__metadata__['config'] is not valid JSON ({e}); core would fail to parse it", "__metadata__")
+        return
+    tr = conf.get("transformer") if isinstance(conf, dict) else None
+    if tr is None:
+        return
+    if not isinstance(tr, dict):
+        det.error("__metadata__['config']['transformer'] is not a JSON object", "__metadata__")
+        return
+    for key, field_name in SHAPE_CONFIG_KEYS.items():
+        if key in tr and tr[key] != getattr(cfg, field_name):
+            det.error(f"metadata config sets transformer.{key} = {tr[key]!r} but the weights say "
+                      f"{getattr(cfg, field_name)} (core would build a model the weights do not fit: fix or "
+                      f"remove '{key}' in __metadata__['config'])", f"__metadata__.config.transformer.{key}")
 
 
 def _validate_blocks(det: Detection, T: dict[str, TensorInfo], cfg: H3Config) -> None:

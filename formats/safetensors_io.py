@@ -92,6 +92,8 @@ def read_header(path: str | os.PathLike) -> Header:
     without gaps or overlaps; no bytes after the last tensor.
     """
     path = str(path)
+    if os.path.isdir(path):
+        raise CheckpointError(path, "is a directory", expected="a .safetensors file")
     if not os.path.isfile(path):
         raise CheckpointError(path, "file not found")
     size = os.path.getsize(path)

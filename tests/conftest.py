@@ -64,7 +64,18 @@ def comfy(fixtures_dir, tmp_path_factory):
     runner = boot(cpu=True)
     runner.add_models_dir(fixtures_dir["root"])
     runner.set_output_dir(tmp_path_factory.mktemp("output"))
-    return runner
+    yield runner
+    # Release ComfyUI's models while its modules are alive (else ModelPatcher.__del__ runs at interpreter
+    # teardown and prints "Exception ignored ... ON_DETACH").
+    import gc
+
+    import comfy.model_management as mm
+    import torch
+
+    runner.executor.reset()
+    with torch.inference_mode():
+        mm.unload_all_models()
+    gc.collect()
 
 
 # ----------------------------------------------------------------------------------------- server
@@ -124,7 +135,8 @@ def server(tmp_path_factory):
             except requests.RequestException:
                 pass
             if time.monotonic() > t_end:
-                pytest.fail(f"ComfyUI did not serve /h3turbo/ready within {SERVER_STARTUP_TIMEOUT_S} s:\n{_log_tail(log)}")
+                pytest.fail(f"ComfyUI did not serve /h3turbo/ready within {SERVER_STARTUP_TIMEOUT_S} s:\n"
+                            f"{_log_tail(log)}")
             time.sleep(0.5)
         yield {"url": url, "base": base, "log": log, "models": models, "output": base / "output", "proc": proc}
     finally:

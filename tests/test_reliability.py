@@ -160,14 +160,25 @@ INSPECT_FINDINGS = dict(
 )
 
 
-def test_corpus_is_complete_and_deterministic(rel_models, fixtures_dir, tmp_path):
-    import hashlib
+def _content(path: str):
+    """A file's bytes, or for a valid safetensors file (parsed header, data bytes): safetensors writes a
+    multi-key __metadata__ in hash-map order, so the bytes of equal files may differ."""
+    import json
+    import struct
 
+    raw = Path(path).read_bytes()
+    try:
+        (n,) = struct.unpack("<Q", raw[:8])
+        return json.loads(raw[8:8 + n]), raw[8 + n:]
+    except (ValueError, UnicodeDecodeError, struct.error):
+        return raw
+
+
+def test_corpus_is_complete_and_deterministic(rel_models, fixtures_dir, tmp_path):
     assert set(MODEL_MESSAGES) == set(MODEL_CASES) == set(rel_models["models"]) - set(CONFIG_CASES)
     again = build_model_corpus(fixtures_dir, str(tmp_path / "m"))
     for k in list(MODEL_CASES) + list(CONFIG_CASES):
-        a = hashlib.sha256(Path(again[k]).read_bytes()).hexdigest()
-        assert a == hashlib.sha256(Path(rel_models["models"][k]).read_bytes()).hexdigest(), k
+        assert _content(again[k]) == _content(rel_models["models"][k]), k
 
 
 @pytest.mark.parametrize("case", MODEL_CASES)
@@ -209,11 +220,6 @@ def test_bad_model_file_through_inspect(rel_models, case, capsys):
         assert want in out, out
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: the loader does not check __metadata__['config']['transformer'] against "
-                                       "the shapes (core merges it over the detected sizes): ffn_hidden_size 192 on "
-                                       "ffn-128 weights loads and samples silently; num_layers 51 on a 50-block file "
-                                       "loads, then sampling fails with \"'NoneType' object has no attribute "
-                                       "'device'\" in SamplerCustomAdvanced")
 @pytest.mark.parametrize("case", ["bf16_config_ffn", "bf16_config_layers"])
 def test_bf16_metadata_config_disagreeing_with_shapes_is_refused(comfy, rel_models, small_ref, case):
     before = _fp(small_ref["mp"])
@@ -348,8 +354,6 @@ def test_second_turbo_adapter_replaces_the_first(comfy, rel_models):
     assert torch.equal(v, v8) and torch.equal(a, a8)
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: a second H3TurboLoRA on a MODEL that already carries a Turbo branch "
-                                       "silently replaces it (4step -> 8step runs 8step only); no error and no log")
 def test_stacking_a_second_turbo_adapter_is_reported(comfy, rel_models, caplog):
     import logging
 
@@ -357,7 +361,8 @@ def test_stacking_a_second_turbo_adapter_is_reported(comfy, rel_models, caplog):
 
     caplog.set_level(logging.INFO, logger="h3_turbo")
     try:
-        comfy.run(_chain(graph(tag="48log"), "H3TurboLoRA", turbo=SMALL_8, strength=1.0))
+        # strength 0.999: inputs no other test uses, so ComfyUI's cache cannot skip the node's execution
+        comfy.run(_chain(graph(tag="48log"), "H3TurboLoRA", turbo=SMALL_8, strength=0.999))
     except PromptFailed as e:
         assert "already" in str(e) and "4step" in str(e)
         return
@@ -365,8 +370,6 @@ def test_stacking_a_second_turbo_adapter_is_reported(comfy, rel_models, caplog):
         [r.getMessage() for r in caplog.records]
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: H3TurboLoRA + core LoraLoaderModelOnly of the SAME Turbo file applies "
-                                       "it twice (runtime branch + merged weights = 2x strength) without an error")
 def test_turbo_branch_plus_core_merge_of_same_file_is_refused(comfy, rel_models):
     from h3_turbo.harness import PromptFailed
 

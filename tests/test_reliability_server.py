@@ -9,7 +9,8 @@ and latents as the 50+2-block fixture, ~0.15 s per step on 2 cores) at 64x64, le
   adapter with missing targets) are ALL queued before waiting. Every good output equals the solo run of the
   same request bit for bit; each bad one fails with its own message; ``/h3turbo/ready`` stays consistent
   while the queue runs (current_turbo always one of the three, at most the two adapters resident) and ends at
-  the last request's adapter; the adapter load counter shows each adapter read from disk once.
+  the last request's adapter; the adapter load counter shows each adapter read from disk once; every request
+  reuses the loaded base from ComfyUI's cache, also right after the failed ones.
 - Memory: the server's RSS (psutil, the ComfyUI process) after good request 10 and after request 20 of that
   queue differ by less than :data:`RSS_TOLERANCE_MB` (the solo runs are the warm-up). Measured on 2 cores:
   see the report printed by the test (``-s``).
@@ -141,7 +142,8 @@ def test_back_to_back_requests_equal_solo_runs(rel_server):
             good_done += 1
             if good_done in (N_GOOD // 2, N_GOOD):
                 rss[good_done] = _rss_mb(s["proc"])
-    # every good output equals its solo run, bit for bit; the sampler really ran each time
+    # every good output equals its solo run, bit for bit; the sampler really ran each time; the loaded base was
+    # reused from ComfyUI's cache by every request, also right after the failed ones (nothing lost)
     for (what, kind, _), e in zip(plan, entries):
         st, msgs = _status(e)
         if what != "good":
@@ -151,6 +153,7 @@ def test_back_to_back_requests_equal_solo_runs(rel_server):
         assert torch.equal(v, solo[kind][0]) and torch.equal(a, solo[kind][1]), f"{kind} differs from its solo run"
         cached = [n for ev, d in msgs if ev == "execution_cached" for n in d.get("nodes", [])]
         assert "9" not in cached, f"the sampler output was served from the cache: {cached}"
+        assert "1" in cached, f"the base model was loaded again: cached nodes {cached}"
     # the bad requests failed with their own message, in their own node
     for (what, _, _), e in zip(plan, entries):
         if what == "good":

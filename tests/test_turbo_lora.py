@@ -305,8 +305,22 @@ def test_alpha_disagreeing_with_metadata(fixtures_dir, tmp_path):
 def test_not_safetensors(tmp_path):
     p = tmp_path / "lfs.safetensors"
     p.write_text("version https://git-lfs.github.com/spec/v1\noid sha256:abc\nsize 123\n")
-    with pytest.raises(TurboLoRAError, match="lfs.safetensors: not a readable safetensors file"):
+    with pytest.raises(TurboLoRAError, match=r"^Turbo LoRA .*lfs.safetensors: this is a Git LFS pointer file"):
         turbo_lora.load_turbo_lora(str(p))
+
+
+def test_truncated_lora_names_file_and_cause(tmp_path, fixtures_dir):
+    """A partial download of an adapter: one message naming the file and the truncation (not safetensors' own)."""
+    data = open(fixtures_dir["lora_8step"], "rb").read()
+    p = tmp_path / "partial.safetensors"
+    p.write_bytes(data[:300_000])
+    with pytest.raises(TurboLoRAError, match=r"^Turbo LoRA .*partial.safetensors: .*file is truncated"):
+        turbo_lora.load_turbo_lora(str(p))
+
+
+def test_diffusion_model_given_as_lora_is_named(fixtures_dir):
+    with pytest.raises(TurboLoRAError, match=r"h3_tiny_bf16.safetensors: not a LoRA adapter .*diffusion model"):
+        turbo_lora.load_turbo_lora(fixtures_dir["bf16"])
 
 
 # ---------------------------------------------------------------------------------------------- branch math

@@ -219,4 +219,12 @@ def make_fixtures(root: str, cfg: TinyH3Config = TinyH3Config(), seed: int = 0, 
     save_file(lora4, paths["lora_4step"], metadata=m4)
     lora8, m8 = make_turbo_lora(sd, cfg, alpha_over_rank=1 / 16, seed=seed + 2, nfe=8, shifts=(12.0, 3.0))
     save_file(lora8, paths["lora_8step"], metadata=m8)
+    for p in paths.values():  # safetensors writes 0600; model files are meant to be shared (0644, umask applies)
+        os.chmod(p, 0o666 & ~_umask())
     return paths
+
+
+def _umask() -> int:
+    m = os.umask(0)
+    os.umask(m)
+    return m

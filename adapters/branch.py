@@ -45,6 +45,11 @@ class TurboCoverageError(RuntimeError):
     """Some Turbo LoRA targets did not run during a diffusion-model call."""
 
 
+# ComfyUI shows errors as '<module>.<class>: message'; the pack's module path depends on the folder
+# it was installed in, so name the class by the package.
+TurboCoverageError.__module__ = "h3_turbo"
+
+
 class TargetParams(torch.nn.Module):
     """Adapter tensors of one target as parameters (so ComfyUI's ModelPatcher can move/count them).
 

@@ -70,6 +70,11 @@ class TurboLoRAError(ValueError):
     """A Turbo LoRA file that cannot be used (message names the file, the keys and what was expected)."""
 
 
+# ComfyUI shows errors as '<module>.<class>: message'; the pack's module path depends on the folder
+# it was installed in, so name the class by the package.
+TurboLoRAError.__module__ = "h3_turbo"
+
+
 def _part(p: str) -> str:
     return "A" if p.startswith("lora_A") else "B" if p.startswith("lora_B") else "alpha"
 

@@ -48,6 +48,11 @@ class CheckpointError(ValueError):
         super().__init__(msg)
 
 
+# ComfyUI shows errors as '<module>.<class>: message'; the pack's module path depends on the folder
+# it was installed in, so name the class by the package.
+CheckpointError.__module__ = "h3_turbo"
+
+
 @dataclass(frozen=True)
 class TensorInfo:
     """One header entry: safetensors dtype string, shape, [begin, end) byte offsets in the data buffer."""

@@ -61,6 +61,11 @@ class TurboContractError(ValueError):
     """A sampling-time violation of a Turbo contract (wrong steps, grid, CFG, cache, shift patch)."""
 
 
+# ComfyUI shows errors as '<module>.<class>: message'; the pack's module path depends on the folder
+# it was installed in, so name the class by the package.
+TurboContractError.__module__ = "h3_turbo"
+
+
 # --------------------------------------------------------------------------------------------------
 # The pure loop
 # --------------------------------------------------------------------------------------------------
@@ -398,7 +403,6 @@ def sample_h3_turbo(model, x, sigmas, extra_args=None, callback=None, disable=No
     x_a = (ya0.to(torch.float32) / carry_factor(sv[0], sa[0], k)).to(sdtype)  # carried -> native audio
 
     s_in = x.new_ones([x.shape[0]])
-    seed = extra_args.get("seed")
     pbar = tqdm(total=len(sv) - 1, disable=disable)
 
     def velocity(i, xv, xa):

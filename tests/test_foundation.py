@@ -2,7 +2,6 @@
 and the main job runs end to end through the real ComfyUI."""
 from __future__ import annotations
 
-import json
 import logging
 import os
 import subprocess

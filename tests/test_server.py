@@ -274,7 +274,7 @@ def test_scanner_lists_a_renamed_official_file_by_hash(tmp_path, monkeypatch, fi
 def test_ready_payload_is_cheap_and_complete(monkeypatch):
     """The route body reads cached state only: no hashing inside (sha256_file is never called)."""
     from h3_turbo import server_routes, state
-    from h3_turbo.adapters import scan, turbo_lora
+    from h3_turbo.adapters import turbo_lora
 
     def boom(*a, **k):
         raise AssertionError("hashing inside the request")

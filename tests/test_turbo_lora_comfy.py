@@ -21,7 +21,7 @@ LORA8 = "h3_tiny_turbo_8step_comfyui_bf16.safetensors"
 
 
 def _prompt(unet="h3_tiny_bf16.safetensors", lora=None, steps=4, shifts=(6.0, 3.0), tag="x"):
-    """API prompt like .dev/example_prompt.py; ``lora`` = None | ("turbo", turbo, strength) | ("core", file, s)."""
+    """API prompt (the tiny-demo graph with core euler); ``lora`` = None | ("turbo", turbo, strength) | ("core", file, s)."""
     p = {
         "1": {"class_type": "UNETLoader", "inputs": {"unet_name": unet, "weight_dtype": "default"}},
         "3": {"class_type": "MiniMaxH3SigmaShift", "inputs": {"model": ["2", 0], "shift_video": shifts[0],

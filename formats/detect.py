@@ -160,8 +160,16 @@ class Detection:
         if not errs:
             return
         lines = "; ".join(str(e) for e in errs[:12])
-        more = f" (+{len(errs) - 12} more; run `python -m h3_turbo.tools inspect FILE`)" if len(errs) > 12 else ""
-        raise CheckpointError(self.path, f"{len(errs)} problem(s): {lines}{more}")
+        more = f" (+{len(errs) - 12} more)" if len(errs) > 12 else ""
+        raise CheckpointError(self.path, f"{len(errs)} problem(s): {lines}{more}. {self.fix_hint()}")
+
+    def fix_hint(self) -> str:
+        """What the user can do about this file's errors (one sentence)."""
+        if self.model != "h3":
+            return ("Fix: this loader takes MiniMax H3 checkpoints only; load other models with the loader "
+                    "made for them (e.g. core's UNETLoader).")
+        return ("Fix: re-download or re-export the file; `python -m h3_turbo.tools inspect FILE` lists "
+                "every finding.")
 
     def summary(self) -> str:
         c = self.config

@@ -120,6 +120,9 @@ def big_base(comfy, rel_models):
 
 # ----------------------------------------------------------------------------------------------- model files
 # {case: (exact message after "<path>: ", or a tuple of substrings when it carries byte counts)}
+H3_FIX = ". Fix: re-download or re-export the file; `python -m h3_turbo.tools inspect FILE` lists every finding."
+NOT_H3_FIX = (". Fix: this loader takes MiniMax H3 checkpoints only; load other models with the loader made for "
+              "them (e.g. core's UNETLoader).")
 MODEL_MESSAGES = {
     "truncated": ("file is truncated: it stops at data byte", "(re-download the file) (expected file size"),
     "lfs_pointer": "this is a Git LFS pointer file, not the model: the real file was never downloaded (run `git lfs "
@@ -130,20 +133,21 @@ MODEL_MESSAGES = {
     "json_garbage": "header is not valid UTF-8 JSON (JSONDecodeError: Expecting value: line 1 column 8 (char 7)) "
                     "(expected a JSON object)",
     "scale_wrong_dtype": "1 problem(s): [error] blocks.3.attn.out_proj.weight_scale: block scales are F32 (expected "
-                         "F8_E4M3, or U8 bytes of e4m3)",
+                         "F8_E4M3, or U8 bytes of e4m3)" + H3_FIX,
     "global_scale_nan": "1 problem(s): [error] blocks.3.attn.out_proj.weight_scale_2: weight_scale_2 is nan (expected "
-                        "a finite positive number)",
+                        "a finite positive number)" + H3_FIX,
     "global_scale_inf": "1 problem(s): [error] blocks.3.attn.out_proj.weight_scale_2: weight_scale_2 is inf (expected "
-                        "a finite positive number)",
+                        "a finite positive number)" + H3_FIX,
     "global_scale_zero": "1 problem(s): [error] blocks.3.attn.out_proj.weight_scale_2: weight_scale_2 is 0.0 "
-                         "(expected > 0)",
+                         "(expected > 0)" + H3_FIX,
     "block_scale_nan": "tensor 'blocks.3.attn.out_proj.weight_scale': 1 block scales are NaN (expected finite e4m3 "
                        "scales)",
     "missing_weight_scale": "1 problem(s): [error] blocks.3.attn.out_proj.weight_scale: missing weight_scale for an "
-                            "NVFP4 layer (comfy_native)",
-    "wan_like": "1 problem(s): [error] not a MiniMax H3 diffusion model: looks like Wan 2.x (not MiniMax H3)",
+                            "NVFP4 layer (comfy_native)" + H3_FIX,
+    "wan_like": "1 problem(s): [error] not a MiniMax H3 diffusion model: looks like Wan 2.x (not MiniMax H3)"
+                + NOT_H3_FIX,
     "bf16_shape_vs_config": "1 problem(s): [error] blocks.7.mlp.fc1.weight: shape [384, 64] (expected [256, 64] from "
-                            "hidden 64, heads 2x32, ffn 128)",
+                            "hidden 64, heads 2x32, ffn 128)" + H3_FIX,
 }
 # what `python -m h3_turbo.tools inspect` prints for the same files (one finding line each)
 INSPECT_FINDINGS = dict(

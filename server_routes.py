@@ -22,6 +22,7 @@ log = logging.getLogger("h3_turbo")
 
 ROUTE = "/h3turbo/ready"
 RESCAN_MIN_INTERVAL_S = 5.0
+AUTO_RESCAN_S = 30.0
 
 _registered = False
 _static: dict = {}
@@ -124,10 +125,11 @@ def register_routes(server=None) -> bool:
     Idempotent. Returns False (logged once) when there is no PromptServer (in-process harness runs):
     the scan still starts so ``state`` is filled. ``server`` overrides ``PromptServer.instance`` (tests).
     """
-    global _registered
+    global _registered, _last_rescan
     from .adapters.scan import SCANNER
 
     SCANNER.start()
+    _last_rescan = time.monotonic()
     if _registered:
         return True
     if server is None:
@@ -144,11 +146,14 @@ def register_routes(server=None) -> bool:
 
     async def h3turbo_ready(request):
         global _last_rescan
-        if request.query.get("rescan") in ("1", "true", "yes"):
-            now = time.monotonic()
-            if now - _last_rescan >= RESCAN_MIN_INTERVAL_S:
-                _last_rescan = now
-                SCANNER.start()
+        now = time.monotonic()
+        forced = request.query.get("rescan") in ("1", "true", "yes")
+        # ?rescan=1 at most every RESCAN_MIN_INTERVAL_S; otherwise a background re-scan when the last one is
+        # older than AUTO_RESCAN_S (headers + stat only; hashes are cached per path+size+mtime), so files
+        # added or replaced in the loras folders show up without a restart. The answer is never delayed.
+        if now - _last_rescan >= (RESCAN_MIN_INTERVAL_S if forced else AUTO_RESCAN_S):
+            _last_rescan = now
+            SCANNER.start()
         return web.json_response(ready_payload(), dumps=_dumps)
 
     server.routes.get(ROUTE)(h3turbo_ready)

@@ -210,6 +210,31 @@ def refuse_merged_duplicate(model_patcher, resident: ResidentAdapter, alias: str
             "Remove the core LoRA loader (LoraLoaderModelOnly) for this file: H3TurboLoRA already applies it.")
 
 
+def uninstall(model_patcher) -> str | None:
+    """Remove the Turbo branch that :func:`install` put on ``model_patcher`` (must be a CLONE): injections,
+    wrappers, the adapter as additional model and the contract. Returns the removed adapter's alias, or
+    None when the MODEL carried none (then nothing is changed)."""
+    import comfy.patcher_extension as pe
+
+    entry = contracts.copy_entry(model_patcher.model_options)
+    if not entry.get("adapter"):
+        return None
+    model_patcher.remove_injections(WRAPPER_KEY)
+    model_patcher.remove_wrappers_with_key(pe.WrappersMP.DIFFUSION_MODEL, WRAPPER_KEY)
+    model_patcher.remove_wrappers_with_key(pe.WrappersMP.OUTER_SAMPLE, WRAPPER_KEY)
+    model_patcher.remove_additional_models(WRAPPER_KEY)
+    # keep the pack's other entries (e.g. the loader's compute info); drop what install() attached
+    rest = {k: v for k, v in entry.items() if k not in _INSTALL_KEYS}
+    if rest:
+        model_patcher.model_options[contracts.MODEL_OPTIONS_KEY] = rest
+    else:
+        model_patcher.model_options.pop(contracts.MODEL_OPTIONS_KEY, None)
+    return entry["adapter"]
+
+
+_INSTALL_KEYS = ("contract", "adapter", "adapter_file", "adapter_sha256", "strength")
+
+
 def install(model_patcher, resident: ResidentAdapter, strength: float, alias: str) -> tuple:
     """Install the branch of ``resident`` at ``strength`` on ``model_patcher`` (must be a CLONE).
 

@@ -15,6 +15,7 @@ readable message; the raw ComfyUI JSON is on ``.payload``.
 from __future__ import annotations
 
 import json
+import math
 import os
 import time
 import uuid
@@ -61,10 +62,15 @@ def load_workflow(path: str | os.PathLike) -> dict:
 
 
 def _parse_value(text: str):
+    """JSON if it parses (numbers, true/false, lists...), else the string. NaN/Infinity are refused:
+    ComfyUI's API is strict JSON."""
     try:
-        return json.loads(text)
+        v = json.loads(text)
     except ValueError:
         return text
+    if isinstance(v, float) and not math.isfinite(v):
+        raise ClientError(f"--set value {text!r} is not a finite number (ComfyUI's API takes strict JSON)")
+    return v
 
 
 def find_node(prompt: dict, ref: str) -> str:

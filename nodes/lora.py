@@ -7,7 +7,7 @@ import os
 from comfy_api.latest import io
 
 from . import CATEGORY
-from ..adapters import residency, turbo_lora
+from ..adapters import contracts, residency, turbo_lora
 
 log = logging.getLogger("h3_turbo")
 
@@ -84,7 +84,13 @@ class H3TurboLoRA(io.ComfyNode):
     @classmethod
     def execute(cls, model, turbo, strength) -> io.NodeOutput:
         if turbo == NONE or float(strength) == 0.0:
-            return io.NodeOutput(model)
+            if not contracts.copy_entry(model.model_options).get("adapter"):
+                return io.NodeOutput(model)  # nothing to switch off: the input MODEL itself
+            clone = model.clone()
+            removed = residency.uninstall(clone)
+            log.info("Apply H3 Turbo LoRA: turbo=%s strength=%g switches off the Turbo adapter %r applied "
+                     "upstream", turbo, strength, removed)
+            return io.NodeOutput(clone)
         _, aliases, files = turbo_options()
         name = aliases.get(turbo, turbo)
         if name not in files:

@@ -39,11 +39,12 @@ def turbo_sigmas(model, steps: int):
             if steps == nfe + 1:
                 msg += (f" You gave grid points, not model evaluations: {nfe} evaluations use "
                         f"{nfe + 1} sigmas, and ComfyUI's steps count evaluations.")
-            raise ValueError(msg)
+            raise training_euler.TurboContractError(msg)
         return schedules.shifted_grid(nfe, contract.shift_video, dtype=torch.float32)
     if steps <= 0:
-        raise ValueError("H3 Turbo Sigmas: steps=0 means 'the Turbo contract's NFE', but the MODEL carries "
-                         "no Turbo contract (connect it through the H3 Turbo LoRA node) - or set steps > 0.")
+        raise training_euler.TurboContractError(
+            "H3 Turbo Sigmas: steps=0 means 'the Turbo contract's NFE', but the MODEL carries "
+            "no Turbo contract (connect it through the H3 Turbo LoRA node) - or set steps > 0.")
     ms = model.get_model_object("model_sampling")
     shift = getattr(ms, "shift", None)
     if shift is None or getattr(ms, "audio_shift", None) is None:

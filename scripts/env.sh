@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Make (or reuse) the Python environment that runs this pack with a real ComfyUI on the CPU, then
-# install the pack into it (editable). Prints nothing but progress; sourced by test.sh and demo.sh.
+# install the pack into it (editable). Prints only progress (pip's own output only on failure);
+# sourced by test.sh and demo.sh.
 #
 #   H3T_VENV      the venv to use/create (default: $HOME/comfyui-venv)
 #   COMFYUI_PATH  a ComfyUI checkout with MiniMax H3 (default: $HOME/ComfyUI); its requirements.txt
@@ -32,6 +33,9 @@ else
   echo "[h3-turbo] no ComfyUI at $comfy (set COMFYUI_PATH): integration tests will be skipped" >&2
   "$venv/bin/pip" install -q comfy-kitchen==0.2.31
 fi
-"$venv/bin/pip" install -q --no-build-isolation -e "$here[test]" 2>&1 | grep -v -i "warning: location" || true
+pip_log=$(mktemp)
+"$venv/bin/pip" install -q --no-build-isolation -e "$here[test]" > "$pip_log" 2>&1 \
+  || { cat "$pip_log" >&2; rm -f "$pip_log"; echo "[h3-turbo] pip install -e failed" >&2; exit 1; }
+rm -f "$pip_log"
 "$venv/bin/python" -c 'import h3_turbo' || { echo "[h3-turbo] editable install failed" >&2; exit 1; }
 export H3T_PY="$venv/bin/python"

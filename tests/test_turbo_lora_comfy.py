@@ -96,6 +96,38 @@ def test_turbo_none_and_strength_zero_bit_identical(comfy, base_run):
     assert state.snapshot()["current_turbo"] in ("none", "4step", "8step")  # set by whoever ran last
 
 
+@pytest.mark.parametrize("off", [("none", 1.0), ("4step", 0.0)])
+def test_turbo_off_after_an_upstream_turbo_node_restores_the_base(comfy, base_run, off):
+    """H3TurboLoRA(4step) -> H3TurboLoRA(none | strength 0): Turbo is switched OFF (the branch, its wrappers,
+    the adapter model and the contract are removed): the sample is bit-identical to the base, and differs
+    from the 4-step sample (so the test can fail)."""
+    p = _prompt(lora=("turbo", "4step", 1.0), tag=f"off{off[1]}")
+    p["2b"] = {"class_type": "H3TurboLoRA", "inputs": {"model": ["2", 0], "turbo": off[0], "strength": off[1]}}
+    p["3"]["inputs"]["model"] = ["2b", 0]
+    v, a = _run(comfy, p)
+    assert torch.equal(v, base_run[0]) and torch.equal(a, base_run[1])
+    on = _run_memo(comfy, _prompt(lora=("turbo", "4step", 1.0), tag="t4step"))
+    assert not torch.equal(on[0], v)
+
+
+def test_uninstall_removes_exactly_what_install_added(comfy, fixtures_dir):
+    import nodes
+
+    from h3_turbo.adapters import contracts, residency
+    from h3_turbo.nodes.lora import H3TurboLoRA
+
+    (base,) = nodes.UNETLoader().load_unet(os.path.basename(fixtures_dir["bf16"]), "default")
+    contracts.attach(base, None, compute="reference")  # a non-Turbo entry of the pack must survive
+    on = H3TurboLoRA.execute(base, "4step", 1.0).args[0]
+    off = H3TurboLoRA.execute(on, "none", 1.0).args[0]
+    assert off is not on and residency.uninstall(off.clone()) is None
+    assert off.model_options[contracts.MODEL_OPTIONS_KEY] == {"compute": "reference"}
+    assert contracts.get(off.model_options) is None
+    assert off.get_injections(residency.WRAPPER_KEY) is None
+    assert off.get_additional_models_with_key(residency.WRAPPER_KEY) == []
+    assert contracts.get(on.model_options) is not None  # the upstream MODEL is unchanged
+
+
 @pytest.mark.parametrize("turbo,file,steps,shifts,effect", [("4step", LORA4, 4, (6.0, 3.0), 5e-3),
                                                             ("8step", LORA8, 4, (6.0, 3.0), 2e-4)])
 def test_branch_matches_core_merged_lora_bf16(comfy, turbo, file, steps, shifts, effect):

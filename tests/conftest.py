@@ -72,7 +72,10 @@ def comfy(fixtures_dir, tmp_path_factory):
     import comfy.model_management as mm
     import torch
 
+    from h3_turbo.adapters import residency
+
     runner.executor.reset()
+    residency.clear()  # the resident adapters are ModelPatchers too
     with torch.inference_mode():
         mm.unload_all_models()
     gc.collect()

@@ -108,6 +108,22 @@ class ComfyRunner:
             raise PromptFailed(msg, errs[0] if errs else None, None)
         return self.executor.history_result.get("outputs", {})
 
+    def run_latents(self, prompt: dict, save_nodes: tuple[str, ...], remove: bool = True) -> list:
+        """Run ``prompt`` and return the tensors that its ``SaveLatent`` nodes ``save_nodes`` wrote
+        (``latent_tensor`` of each file, in that order); the files are deleted unless ``remove=False``."""
+        import folder_paths
+        from safetensors.torch import load_file
+
+        outputs = self.run(prompt)
+        tensors = []
+        for nid in save_nodes:
+            info = outputs[nid]["latents"][0]
+            path = os.path.join(folder_paths.get_output_directory(), info["subfolder"], info["filename"])
+            tensors.append(load_file(path)["latent_tensor"])
+            if remove:
+                os.remove(path)
+        return tensors
+
     def node_times(self) -> list[tuple[str, float]]:
         """(node id, seconds) per node executed in the last :meth:`run`, from ComfyUI's own
         ``executing`` events (a cached node takes ~0 s)."""

@@ -92,7 +92,9 @@ class PackedNVFP4:
 
 
 @dataclass
-class PreparedReference:
+class _PreparedPacked:
+    """A path that keeps the packed NVFP4 tensors as they are (no load-time re-expression)."""
+
     packed: PackedNVFP4
 
     @property
@@ -102,6 +104,10 @@ class PreparedReference:
     @property
     def in_features(self) -> int:
         return self.packed.in_features
+
+
+class PreparedReference(_PreparedPacked):
+    """``reference``: dequantize + F.linear per call."""
 
 
 @dataclass
@@ -121,17 +127,8 @@ class PreparedFP8:
     in_features: int
 
 
-@dataclass
-class PreparedBlackwell:
-    packed: PackedNVFP4
-
-    @property
-    def out_features(self) -> int:
-        return self.packed.out_features
-
-    @property
-    def in_features(self) -> int:
-        return self.packed.in_features
+class PreparedBlackwell(_PreparedPacked):
+    """``blackwell_fp4``: comfy-kitchen ``scaled_mm_nvfp4`` on the packed tensors."""
 
 
 # --------------------------------------------------------------------------- capability checks
@@ -288,7 +285,7 @@ def prepare(packed: PackedNVFP4, path: str):
 # --------------------------------------------------------------------------- linear
 
 def _reference_weight(prepared, dtype) -> torch.Tensor:
-    if isinstance(prepared, (PreparedReference, PreparedBlackwell)):
+    if isinstance(prepared, _PreparedPacked):
         p = prepared.packed
         return ref.dequant_exact(p.qdata, p.block_scale, p.global_scale, p.out_features, p.in_features, dtype)
     if isinstance(prepared, PreparedExact):

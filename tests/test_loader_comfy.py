@@ -62,14 +62,7 @@ def _core(name):
 
 
 def _sample(comfy, loader, lora=None, lora_node="LoraLoaderModelOnly") -> tuple[torch.Tensor, torch.Tensor]:
-    import folder_paths
-
-    out = comfy.run(_prompt(loader, lora, lora_node=lora_node))
-    res = []
-    for node in ("12", "13"):
-        info = out[node]["latents"][0]
-        path = os.path.join(folder_paths.get_output_directory(), info["subfolder"], info["filename"])
-        res.append(load_file(path)["latent_tensor"])
+    res = comfy.run_latents(_prompt(loader, lora, lora_node=lora_node), ("12", "13"), remove=False)
     assert all(torch.isfinite(r).all() for r in res)
     return res[0], res[1]
 

@@ -20,7 +20,6 @@ management, not a change to the model.)
 """
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -63,17 +62,8 @@ def rel_models(comfy, fixtures_dir, tmp_path_factory) -> dict:
 
 def run_latents(comfy, prompt) -> tuple[torch.Tensor, torch.Tensor]:
     """Run and return the (video, audio) latents SaveLatent wrote (files removed afterwards)."""
-    import folder_paths
-    from safetensors.torch import load_file
-
-    out = comfy.run(prompt)
-    res = []
-    for nid in ("11", "12"):
-        info = out[nid]["latents"][0]
-        path = os.path.join(folder_paths.get_output_directory(), info["subfolder"], info["filename"])
-        res.append(load_file(path)["latent_tensor"])
-        os.remove(path)
-    return res[0], res[1]
+    v, a = comfy.run_latents(prompt, ("11", "12"))
+    return v, a
 
 
 def loaded_patcher(comfy, node_id="1"):

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -17,23 +16,11 @@ from pathlib import Path
 
 import pytest
 
+from conftest import _log_tail  # tests/ is on sys.path (as for tests/corpus)
+
 REPO = Path(__file__).resolve().parent.parent
 TINY_API = REPO / "example_workflows" / "api" / "h3turbo_tiny_demo.json"
-STARTUP_TIMEOUT_S = 180
 RUN_TIMEOUT_S = 300
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _log_tail(path: Path, n: int = 40) -> str:
-    try:
-        return "\n".join(path.read_text(errors="replace").splitlines()[-n:])
-    except OSError:
-        return "(no log)"
 
 
 # The session-scoped ``server`` fixture (one real ComfyUI server shared by every server test) lives in

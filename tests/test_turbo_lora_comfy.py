@@ -52,17 +52,8 @@ def _prompt(unet="h3_tiny_bf16.safetensors", lora=None, steps=4, shifts=(6.0, 3.
 
 def _run(comfy, prompt) -> tuple[torch.Tensor, torch.Tensor]:
     """Run and return (video latent, audio latent) as saved by SaveLatent."""
-    import folder_paths
-    from safetensors.torch import load_file
-
-    out = comfy.run(prompt)
-    res = []
-    for nid in ("12", "13"):
-        info = out[nid]["latents"][0]
-        path = os.path.join(folder_paths.get_output_directory(), info["subfolder"], info["filename"])
-        res.append(load_file(path)["latent_tensor"])
-        os.remove(path)
-    return res[0], res[1]
+    v, a = comfy.run_latents(prompt, ("12", "13"))
+    return v, a
 
 
 _MEMO: dict[str, tuple] = {}

@@ -15,6 +15,14 @@ GEMMs accumulate in fp32 (torch's bf16 GEMMs do); the second GEMM adds into y in
 with block-diagonal B runs as three rank-r products written into the Q/K/V column slices of y
 (strided GEMM output: no rank-3r product, no [s, 3*inner] temporary).
 
+Fused route: when the wrapped layer is one of the pack's NVFP4 layers running a GPU kernel path (it
+offers ``h3turbo_lora_forward``, see ``nodes/loader.py``), nothing wrapped its forward before us, and the
+adapter tensors are on the activation's device, base + branch are computed together by
+``kernels.dispatch.linear_with_lora``: the same formula with the update folded into the per-call weight
+(``exact``) or kept folded in the layer's e4m3 weight until the adapter/strength changes (``fp8``). The layer
+answers None (then the unfused route below runs) for calls its kernels do not take and for layers with
+``pre_quant_scale``. Either route counts the target for the coverage checks.
+
 INT8 tensor-wise ``fc2`` (hazard H1, ecosystem.md §5): core's ``comfy.ops.linear_input_act`` computes
 ``fc2(swiglu(fc1(x)))`` with comfy-kitchen's fused kernel and never calls ``fc2.forward``. For such
 blocks the fc2 branch is applied at the MLP level instead: the MLP's forward is wrapped, the fc1
@@ -31,6 +39,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import weakref
 
 import torch
 import torch.nn.functional as F
@@ -141,6 +150,31 @@ def apply_branch_(y: torch.Tensor, x: torch.Tensor, p: TargetParams, coef: float
     return y
 
 
+def fused_operands(p: TargetParams, x: torch.Tensor):
+    """(A, Bc, amax_a, key) for a fused layer call (``h3turbo_lora_forward`` of the loader's layers), or None when the
+    adapter tensors are not on x's device (ComfyUI offloaded them: the unfused branch casts per call instead).
+
+    A [R, in] and Bc [out, R/splits] (the diagonal blocks of a block-diagonal qkv B stacked; B0 itself when
+    splits == 1) in the operand dtype; amax_a fp32 [R] = max_k |A[r, k]| (the fp8 fold's row-scale bound); key
+    names these tensors (a weak reference to ``p`` and their storage) for the fp8 path's folded-weight slot.
+    Cached on ``p`` per (device, dtype, storage): one extra [out, R/3] copy for qkv targets, [R] floats otherwise.
+    """
+    if p.A.device != x.device:
+        return None
+    op = operand_dtype(x)
+    bs = p.bs()
+    key = (x.device, op, p.A.data_ptr(), tuple(b.data_ptr() for b in bs))
+    c = p.__dict__.get("_h3_fused")
+    if c is not None and c[0] == key:
+        return c[1]
+    a = _cast(p.A, x.device, op)
+    bc = _cast(bs[0], x.device, op) if len(bs) == 1 else torch.cat([_cast(b, x.device, op) for b in bs], 0)
+    bc = bc.contiguous()
+    ops = (a, bc, a.abs().amax(dim=1).float(), (weakref.ref(p), a.data_ptr(), bc.data_ptr(), op))
+    p.__dict__["_h3_fused"] = (key, ops)
+    return ops
+
+
 def apply_branch_unfused_(y: torch.Tensor, x: torch.Tensor, p: TargetParams, coef: float) -> torch.Tensor:
     """Reference variant of :func:`apply_branch_` with a temporary and ``add_`` (benchmarks/tests)."""
     op = operand_dtype(x)
@@ -189,6 +223,7 @@ class TurboBranch:
         self._lock = threading.Lock()
         self.injected = False
         self._live = [False]
+        self.fused_calls = 0  # layer calls whose branch ran fused with the loader's kernel path
 
     # ---- counters -------------------------------------------------------------------------------
     def reset(self) -> None:
@@ -275,22 +310,34 @@ class TurboBranch:
                         continue
                     capt = block in int8_blocks and t.endswith(".mlp.fc1")
                     slot = capture.setdefault(block, {}) if capt else None
-                    self._wrap(module, self._make_fn(module.forward, p, idx, coef, slot, live))
+                    # the loader's NVFP4 layers compute base + branch together (kernels.dispatch.linear_with_lora),
+                    # but only when nothing else wrapped the layer's forward before us
+                    fused = getattr(module, "h3turbo_lora_forward", None) if "forward" not in module.__dict__ else None
+                    self._wrap(module, self._make_fn(module.forward, p, idx, coef, slot, live, fused))
             except BaseException:
                 self._undo()
                 raise
             self.injected = True
 
-    def _make_fn(self, orig, p, idx, coef, slot, live):
+    def _make_fn(self, orig, p, idx, coef, slot, live, fused=None):
         counts_ref = self
+        splits = p.splits
 
         def turbo_lora_forward(x, *args, **kwargs):
-            y = orig(x, *args, **kwargs)
-            if not live[0]:
-                return y
+            y = None
+            if fused is not None and live[0] and not args and not kwargs:
+                ops = fused_operands(p, x)
+                if ops is not None:
+                    y = fused(x, ops[0], ops[1], coef, splits, ops[2], ops[3])
+                    if y is not None:
+                        counts_ref.fused_calls += 1
+            if y is None:
+                y = orig(x, *args, **kwargs)
+                if not live[0]:
+                    return y
+                y = apply_branch_(y, x, p, coef)
             counts_ref.counts[idx] += 1
             counts_ref.run_counts[idx] += 1
-            y = apply_branch_(y, x, p, coef)
             if slot is not None:
                 slot["h"] = y
             return y

@@ -26,7 +26,8 @@ NB (DiT blocks, default 3), REPS (default 3), COMFY_ARGS (extra ComfyUI CLI args
 "--disable-dynamic-vram"), PART1/PART2 (1/0), COMPUTES (part 1 computes, comma list), P1_BUDGET (s since
 start after which part 1 stops), PREVIEW=1 (add H3TurboSaveLatentPreview, needs PyAV), P2_COMPUTES
 (default reference,exact,fp8), CORE_ATTN=1 (part 2 also runs compute=reference without H3TurboAttention:
-core as core's users run it). Writes $OUT/e2e_gpu_h200.json after every step.
+core as core's users run it), P2_ATTN (comma list of further H3TurboAttention backends for part 2, e.g.
+int8_sage). Writes $OUT/e2e_gpu_h200.json after every step.
 """
 from __future__ import annotations
 
@@ -45,6 +46,17 @@ RES: dict = {"dry": DRY, "errors": {}, "log": []}
 T_START = time.perf_counter()
 P1_BUDGET = float(os.environ.get("P1_BUDGET", 1e9))   # seconds since start after which part 1 stops
 os.makedirs(OUT, exist_ok=True)
+
+
+def lora_routes() -> dict:
+    """kernels.dispatch.LORA_ROUTES summed over every loaded copy of the module (ComfyUI may import the pack's
+    folder under another module name than h3_turbo)."""
+    tot: dict = {}
+    for name, mod in list(sys.modules.items()):
+        if name.endswith("kernels.dispatch") and hasattr(mod, "LORA_ROUTES"):
+            for k, v in mod.LORA_ROUTES.items():
+                tot[k] = tot.get(k, 0) + v
+    return tot
 
 
 def save():
@@ -135,6 +147,7 @@ def part1(runner, models, outdir):
                     continue
                 prompt = graph(compute, lora, seed, tag, preview=bool(os.environ.get("PREVIEW")) and seed == 42)
                 nlog = len(RES["log"])
+                routes0 = lora_routes()
                 t0 = time.perf_counter()
                 try:
                     outs = runner.run(prompt)
@@ -147,7 +160,9 @@ def part1(runner, models, outdir):
                                        "finite": {k: bool(torch.isfinite(v).all()) for k, v in L.items()},
                                        "shape": {k: list(v.shape) for k, v in L.items()},
                                        "std": {k: float(v.float().std()) for k, v in L.items()},
-                                       "new_log": RES["log"][nlog:]}
+                                       "new_log": RES["log"][nlog:],
+                                       "lora_routes": {k: v - routes0.get(k, 0) for k, v in lora_routes().items()
+                                                       if v - routes0.get(k, 0)}}
                     if "14" in outs:
                         r1["runs"][tag]["preview"] = outs["14"]
                 except Exception as e:  # noqa: BLE001
@@ -305,20 +320,23 @@ def part2(models):
             r2["runs"][compute] = {"error": f"load: {type(e).__name__}: {str(e)[:800]}", "tb": traceback.format_exc()[-1500:]}
             save()
             continue
-        variants = [(None, True), (lname, True)]
+        variants = [(None, "auto"), (lname, "auto")]
         if compute == "reference" and os.environ.get("CORE_ATTN", "1") == "1":
-            variants.append((None, False))     # core as core users run it: core's attention, no override
+            variants.append((None, None))     # core as core users run it: core's attention, no override
+        for extra in [b for b in os.environ.get("P2_ATTN", "").split(",") if b and b != "auto"]:
+            variants += [(None, extra), (lname, extra)]    # another H3TurboAttention backend, e.g. int8_sage
         for lora, use_attn in variants:
-            key = f"{compute}{'_lora' if lora else ''}{'' if use_attn else '_coreattn'}"
+            suffix = "" if use_attn == "auto" else ("_coreattn" if use_attn is None else f"_{use_attn}")
+            key = f"{compute}{'_lora' if lora else ''}{suffix}"
             rr = {"load_s": load_s}
             try:
                 m = base
                 if lora:
                     m = nlora.H3TurboLoRA.execute(m, lora, 1.0).args[0]
                 if use_attn:
-                    m = nattn.H3TurboAttention.execute(m, "auto").args[0]
+                    m = nattn.H3TurboAttention.execute(m, use_attn).args[0]
                 t0 = time.perf_counter()
-                mm.load_models_gpu([m])
+                mm.load_models_gpu([m] + m.get_nested_additional_models())   # the adapter too, as sampling does
                 sync()
                 rr["to_gpu_s"] = time.perf_counter() - t0
                 dm = m.model.diffusion_model
@@ -339,6 +357,7 @@ def part2(models):
                     if not DRY:
                         e = torch.cuda.Event(enable_timing=True); e.record(); ev.append(["e", e])
 
+                routes0 = lora_routes()
                 hs = [b.register_forward_pre_hook(pre) for b in dm.blocks] + [b.register_forward_hook(post) for b in dm.blocks]
                 fts, bts = [], []
                 try:
@@ -361,6 +380,7 @@ def part2(models):
                     for hd in hs:
                         hd.remove()
                 fts.sort()
+                rr["lora_routes"] = {k: v - routes0.get(k, 0) for k, v in lora_routes().items() if v - routes0.get(k, 0)}
                 rr["forward_median_s"] = fts[len(fts) // 2]
                 if bts:
                     per = [sorted(col)[len(col) // 2] for col in zip(*bts)]
@@ -386,11 +406,15 @@ def part2(models):
     cmp = {}
     for key in list(outs):
         for ref in ("reference", "exact"):
-            rk = ref + ("_lora" if key.endswith("_lora") else "")
+            rk = ref + ("_lora" if "_lora" in key else "")
             if key != rk and rk in outs:
                 cmp[f"{key}_vs_{rk}"] = [rel_l2(a, b) for a, b in zip(outs[key], outs[rk])]
         if key.endswith("_coreattn") and key[:-9] in outs:
             cmp[f"{key}_vs_{key[:-9]}"] = [rel_l2(a, b) for a, b in zip(outs[key], outs[key[:-9]])]
+        for extra in [b for b in os.environ.get("P2_ATTN", "").split(",") if b and b != "auto"]:
+            if key.endswith("_" + extra) and key[:-len(extra) - 1] in outs:
+                base_key = key[:-len(extra) - 1]
+                cmp[f"{key}_vs_{base_key}"] = [rel_l2(a, b) for a, b in zip(outs[key], outs[base_key])]
         if key.endswith("_lora") and key[:-5] in outs:
             cmp[f"{key}_vs_{key[:-5]}(lora effect)"] = [rel_l2(a, b) for a, b in zip(outs[key], outs[key[:-5]])]
     r2["compare"] = cmp

@@ -10,7 +10,8 @@ qkv: 3 x 128 block-diagonal). Time: median of triton.testing.do_bench; TFLOP/s c
 flops not counted); ratio to bf16 from the same run; error vs a float64 reference on the first rows.
 
 Run on the GPU machine from the repo root:  python3 benchmarks/bench_linear.py
-Env: OUT (result folder, default benchmarks/results), S_LIST (comma list), REP_MS (default 200).
+Env: OUT (result folder, default benchmarks/results), S_LIST (comma list), REP_MS (default 200), METHODS (comma
+list, default all), TAG (file name suffix), SKIP_CHECKS=1 / CHECK_FUSED=0 (skip all / the fused-kernel GPU checks).
 Writes bench_linear_h200.json and bench_linear_h200.md.
 """
 from __future__ import annotations
@@ -51,6 +52,7 @@ REP = int(os.environ.get("REP_MS", "200"))
 METHODS = [m for m in os.environ.get("METHODS", "").split(",") if m]   # empty: all
 TAG = os.environ.get("TAG", "")
 SKIP_CHECKS = os.environ.get("SKIP_CHECKS", "0") == "1"
+CHECK_FUSED = os.environ.get("CHECK_FUSED", "1") == "1"   # 0: skip the fused-kernel checks (autotuning is slow)
 FNAME = "bench_linear_h200" + (f"_{TAG}" if TAG else "")
 SHAPES = {"qkv": (21504, 5376, 3), "out": (5376, 7168, 1), "fc1": (28672, 5376, 1), "fc2": (5376, 14336, 1)}
 RANK = 128
@@ -95,7 +97,7 @@ try:
         if ck is not None and (n % 16 == 0):
             ckd = ck.dequantize_nvfp4(q, gs, bs, output_type=torch.bfloat16)[:n, :k]
             c["ck_cuda_dequant_mismatch_frac"] = (ckd.view(torch.int16) != want.view(torch.int16)).float().mean().item()
-        for m in (1, 77, 1000, 4099):
+        for m in ((1, 77, 1000, 4099) if CHECK_FUSED else ()):
             x = torch.randn(m, k, device=dev).to(torch.bfloat16)
             o = torch.full((m, n), float("nan"), device=dev, dtype=torch.bfloat16)
             tk.gemm_exact(x, pe.qs, pe.scales, pe.gs, n, k, out=o)
@@ -106,6 +108,28 @@ try:
                 dsp.EXACT_STRATEGY = "tiled"
                 c[f"tiled_m{m}_rel"] = rel(dsp.linear(x, pe, "exact"), r64)
                 dsp.EXACT_STRATEGY = "auto"
+        # weight-side fold from the native storage: bit-exact without LoRA; with LoRA vs float64
+        fo = torch.full((n, k), float("nan"), device=dev, dtype=torch.bfloat16)
+        tk.fold_weight(q, bs, gs.float().reshape(1), n, k, fo)
+        c["fold_bitexact"] = bool(torch.equal(fo.view(torch.int16), want.view(torch.int16)))
+        if n % 3 == 0 and (n // 3) % 16 == 0:
+            A = (torch.randn(3 * 128, k, device=dev) * 0.02).to(torch.bfloat16)
+            Bc = (torch.randn(n, 128, device=dev) * 0.02).to(torch.bfloat16)
+            tk.fold_weight(q, bs, gs.float().reshape(1), n, k, fo, lora=(A, Bc, 0.9, n // 3))
+            w64 = want.double()
+            for i in range(3):
+                w64[i * (n // 3):(i + 1) * (n // 3)] += 0.9 * (Bc[i * (n // 3):(i + 1) * (n // 3)].double()
+                                                            @ A[i * 128:(i + 1) * 128].double())
+            c["fold_lora_rel"] = rel(fo, w64)
+            pe8 = dsp.prepare(p, "fp8")
+            x = torch.randn(2048, k, device=dev).to(torch.bfloat16)
+            r64l = dsp.lora_reference(x[:SAMPLE], pe, A, Bc, 0.9, 3)
+            o8 = dsp._fp8_fold(x, pe8, lora=(A, Bc, 0.9, n // 3, None))
+            c["fp8_fold_lora_rel"] = rel(o8[:SAMPLE], r64l)
+            c["fp8_base_rel"] = rel(dsp.linear(x[:SAMPLE], pe8, "fp8"), x[:SAMPLE].double() @ want.double().t())
+            c["exact_full_lora_rel"] = rel(dsp._exact_full(x, pe, lora=(A, Bc, 0.9, n // 3))[:SAMPLE], r64l)
+            del A, Bc, pe8, w64
+        del fo
         x = torch.randn(333, k, device=dev).to(torch.bfloat16)
         x8, sx = tk.quant_rows_fp8(x)
         x8r, sxr = ref.quantize_rows_fp8(x)
@@ -154,18 +178,40 @@ for S in S_LIST:
                     dsp.EXACT_STRATEGY = strategy
                     try:
                         if lora:
-                            return dsp.linear_with_lora(x, pe, "exact", A, B, lscale, blocks)
+                            return dsp.linear_with_lora(x, pe, "exact", A, B, lscale, blocks, amax_a=amax_a)
                         return dsp.linear(x, pe, "exact")
                     finally:
                         dsp.EXACT_STRATEGY = "auto"
                 return f
+
+            def fp8_lora(fold=True, key=None, switch=False):
+                tick = [0]
+
+                def f():
+                    dsp.LORA_FOLD = fold
+                    try:
+                        k_ = key
+                        if switch:  # every call needs another fold: the adapter-switch cost, worst case
+                            tick[0] += 1
+                            k_ = ("switch", tick[0] % 2)
+                        return dsp.linear_with_lora(x, p8, "fp8", A, B, lscale, blocks, amax_a=amax_a, fold_key=k_)
+                    finally:
+                        dsp.LORA_FOLD = True
+                return f
+            amax_a = A.abs().amax(dim=1).float()   # cached per adapter target by the runtime branch
             meth["exact_fused"] = exact_with("fused")
             meth["exact_tiled"] = exact_with("tiled")
+            meth["exact_full"] = exact_with("full")
             meth["exact"] = exact_with("auto")
             meth["fp8"] = lambda: dsp.linear(x, p8, "fp8")
             meth["exact_lora"] = exact_with("auto", lora=True)
+            meth["exact_tiled_lora"] = exact_with("tiled", lora=True)
+            meth["exact_full_lora"] = exact_with("full", lora=True)
             meth["exact_fused_lora"] = exact_with("fused", lora=True)
-            meth["fp8_lora"] = lambda: dsp.linear_with_lora(x, p8, "fp8", A, B, lscale, blocks)
+            meth["fp8_lora"] = fp8_lora(True, key=("turbo", S, name))    # the runtime branch: fold kept in the slot
+            meth["fp8_lora_percall"] = fp8_lora(True)                      # no key: fold per call into a buffer
+            meth["fp8_lora_switch"] = fp8_lora(True, switch=True)          # a refold on every call
+            meth["fp8_lora_unfused"] = fp8_lora(False)
             if METHODS:
                 meth = {a: b for a, b in meth.items() if a in METHODS}
             for mname, fn in meth.items():
@@ -174,7 +220,7 @@ for S in S_LIST:
                     ms = bench(fn)
                     row[f"{mname}_ms"] = ms
                     row[f"{mname}_tflops"] = fl / (ms * 1e-3) / 1e12
-                    want = r64l if mname.endswith("lora") else r64
+                    want = r64l if "lora" in mname else r64
                     row[f"{mname}_rel"] = rel(o[:SAMPLE], want)
                     row[f"{mname}_maxabs"] = (o[:SAMPLE].double() - want).abs().max().item()
                     del o
@@ -190,6 +236,12 @@ for S in S_LIST:
                 row["lora_overhead_exact"] = row["exact_lora_ms"] / row["exact_ms"] - 1
             if "fp8_ms" in row and "fp8_lora_ms" in row:
                 row["lora_overhead_fp8"] = row["fp8_lora_ms"] / row["fp8_ms"] - 1
+            for st in ("tiled", "full"):
+                if f"exact_{st}_ms" in row and f"exact_{st}_lora_ms" in row:
+                    row[f"lora_overhead_exact_{st}"] = row[f"exact_{st}_lora_ms"] / row[f"exact_{st}_ms"] - 1
+            for v in ("unfused", "percall", "switch"):
+                if "fp8_ms" in row and f"fp8_lora_{v}_ms" in row:
+                    row[f"lora_overhead_fp8_{v}"] = row[f"fp8_lora_{v}_ms"] / row["fp8_ms"] - 1
             if "fp8_ms" in row:
                 o8 = dsp.linear(x[:SAMPLE], p8, "fp8")
                 oe = dsp.linear(x[:SAMPLE], pe, "exact")
@@ -208,8 +260,8 @@ for S in S_LIST:
 os.makedirs(OUT, exist_ok=True)
 with open(os.path.join(OUT, FNAME + ".json"), "w") as f:
     json.dump(res, f, indent=1)
-cols = ["bf16", "core_nvfp4" if ck is not None else "dq_bf16", "exact_fused", "exact_tiled", "exact", "fp8",
-        "exact_lora", "exact_fused_lora", "fp8_lora"]
+cols = ["bf16", "core_nvfp4" if ck is not None else "dq_bf16", "exact_fused", "exact_tiled", "exact_full", "exact",
+        "fp8", "exact_lora", "exact_tiled_lora", "exact_full_lora", "exact_fused_lora", "fp8_lora", "fp8_lora_percall", "fp8_lora_switch", "fp8_lora_unfused"]
 cols = [c for c in cols if any(f"{c}_ms" in r for r in res["rows"])]
 lines = [f"# NVFP4 linear on {res['gpu']} (torch {res['torch']}, triton {res['triton']})", "",
          "ms = median of triton.testing.do_bench; (x) = ratio to bf16 in the same run; TFLOP/s counts 2*S*K*N;",
@@ -217,7 +269,8 @@ lines = [f"# NVFP4 linear on {res['gpu']} (torch {res['torch']}, triton {res['tr
          "LoRA columns vs the float64 unfused branch). LoRA: rank 128, qkv as 3 x 128 block-diagonal.", "",
          "| S | shape | " + " | ".join(cols) + " | fp8 vs exact |",
          "|---|---|" + "---|" * len(cols) + "---|"]
-lora_lines = ["", "| S | shape | LoRA overhead exact | LoRA overhead exact_fused | LoRA overhead fp8 |", "|---|---|---|---|---|"]
+OVH = ("exact", "exact_tiled", "exact_full", "exact_fused", "fp8", "fp8_percall", "fp8_switch", "fp8_unfused")
+lora_lines = ["", "| S | shape | " + " | ".join(f"LoRA overhead {c}" for c in OVH) + " |", "|---|---|" + "---|" * len(OVH)]
 for r in res["rows"]:
     cells = []
     for c in cols:
@@ -228,7 +281,7 @@ for r in res["rows"]:
             cells.append("error" if (f"{c}_error" in r or "error" in r) else "-")
     cells.append(f"{r.get('fp8_vs_exact_rel', float('nan')):.3%}")
     lines.append(f"| {r['S']} | {r['shape']} [{r['N']}x{r['K']}] | " + " | ".join(cells) + " |")
-    ov = [r.get(f"lora_overhead_{c}") for c in ("exact", "exact_fused", "fp8")]
+    ov = [r.get(f"lora_overhead_{c}") for c in OVH]
     lora_lines.append(f"| {r['S']} | {r['shape']} | " + " | ".join("-" if v is None else f"{v:+.1%}" for v in ov) + " |")
 lines += lora_lines + ["", "GPU checks: " + json.dumps(res["checks"])]
 with open(os.path.join(OUT, FNAME + ".md"), "w") as f:

@@ -30,12 +30,15 @@ import torch
 
 log = logging.getLogger("h3_turbo")
 
-# Node backend names. ``auto`` currently resolves to ``exact`` on every device: no 8-bit backend
-# beat ``exact`` on the H200 (benchmarks/results/attention_h200.md), so none is shipped.
+# Node backend names. ``auto`` resolves to ``exact`` on every device: the 8-bit backend is approximate,
+# so the user opts into it by name. ``int8_sage``: kernels/attention_int8.py (INT8 Q.K, FP8 P.V; on the
+# H200 0.83x exact's time at 19 584-37 632 tokens, 0.75x at 109 000, per-head cosine >= 0.9990 vs float32:
+# benchmarks/results/bench_attention_int8_h200.md); unsupported inputs run ``exact`` (logged once).
 AUTO = "auto"
 EXACT = "exact"
 SDPA_CORE = "sdpa_core"
-BACKENDS: tuple[str, ...] = (AUTO, EXACT, SDPA_CORE)
+INT8_SAGE = "int8_sage"
+BACKENDS: tuple[str, ...] = (AUTO, EXACT, SDPA_CORE, INT8_SAGE)
 
 # Exact SDPA candidates, in the order they are tried (and the fallback order behind the winner).
 CANDIDATES: tuple[str, ...] = ("CUDNN_ATTENTION", "FLASH_ATTENTION", "EFFICIENT_ATTENTION")

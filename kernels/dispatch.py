@@ -6,17 +6,19 @@ Paths (``resolve_compute``):
   Works everywhere (CPU included). Same numbers as ``"exact"`` up to GEMM summation order.
 - ``"exact"``: W4A16 on CUDA + Triton. The weight is the reference dequant bit for bit
   (``(E2M1[q] * block_scale) * weight_scale_2`` in fp32, rounded once to the activation dtype);
-  bf16 tensor-core products, fp32 accumulation. Two strategies, same numbers up to summation order:
-  ``fused`` (Triton dequant-GEMM, weight never materialised) and ``tiled`` (the weight dequantized in
-  row tiles of ``TILE_ROWS`` into a reused buffer on a side stream, overlapped with cuBLAS GEMMs on the
-  output's column slices). ``EXACT_STRATEGY`` picks ("auto": fused for M <= ``FUSED_MAX_M`` rows).
-  Measured on an H200 (benchmarks/results/bench_linear_h200.md): tiled 0.96-1.07x bf16 cuBLAS at
-  19584-37632 rows, 1.04-1.11x at 4096; the fused kernel runs ~290 TF/s (2.3x bf16) at large M and
-  only wins over tiling below ~256 rows.
+  bf16 tensor-core products, fp32 accumulation. Three strategies, same numbers up to summation order:
+  ``fused`` (Triton dequant-GEMM, weight never materialised), ``full`` (the whole weight dequantized from
+  the native storage into one reused buffer by ``triton_nvfp4.fold_weight``, then one cuBLAS GEMM) and
+  ``tiled`` (row tiles of ``TILE_ROWS`` dequantized on a side stream, overlapped with cuBLAS GEMMs on the
+  output's column slices). ``EXACT_STRATEGY`` picks ("auto": fused for M <= ``FUSED_MAX_M`` rows, else
+  ``LARGE_M_STRATEGY``). Measured on an H200: benchmarks/results/bench_linear_h200*.md. The fused kernel
+  runs ~290 TF/s (2.3x bf16) at large M and only wins below ~256 rows.
 - ``"fp8"``: W8A8 on FP8 tensor cores (``torch._scaled_mm`` rowwise): at load the NVFP4 weight is
   re-expressed as e4m3 with one fp32 scale per output row (amax/448); activations are quantized per
   row on the fly (Triton). Approximate: 3.9-4.2% relative from the exact GEMM; 0.50-0.61x the bf16
-  time on an H200 (benchmarks/results). Needs sm_89+. Weight memory: N*K bytes (twice NVFP4's).
+  time on an H200 (benchmarks/results). Needs sm_89+. Weight memory: N*K bytes (twice NVFP4's). With the
+  Turbo LoRA (``linear_with_lora`` + ``fold_key``) the same e4m3 slot holds W + s*B*A until another key or
+  the base is needed (``PreparedFP8.state``; re-derived from the packed storage, base bit-identical).
 - ``"blackwell_fp4"``: cc >= 10 with torch built for CUDA >= 13: comfy-kitchen ``scaled_mm_nvfp4``
   (activations quantized to NVFP4 per call as core does, W4A4; approximate).
 
@@ -26,6 +28,7 @@ Errors: requesting a path the device cannot run raises ``ValueError`` (never a s
 """
 from __future__ import annotations
 
+import collections
 import contextlib
 import functools
 import importlib.util
@@ -40,14 +43,29 @@ from . import nvfp4_ref as ref
 log = logging.getLogger("h3_turbo")
 
 PATHS = ("auto", "exact", "fp8", "reference", "blackwell_fp4")
-#: exact strategy: "auto" | "fused" | "tiled"
+#: exact strategy: "auto" | "fused" | "tiled" | "full"
 EXACT_STRATEGY = "auto"
-#: with EXACT_STRATEGY "auto", the fused Triton kernel serves M <= FUSED_MAX_M rows, "tiled" the rest
+#: with EXACT_STRATEGY "auto", the fused Triton kernel serves M <= FUSED_MAX_M rows, LARGE_M_STRATEGY the rest
 #: (H200 crossover between 256 and 1024 rows: bench_linear_h200.md "Small M")
 FUSED_MAX_M = 256
+#: exact strategy above FUSED_MAX_M rows: "full" (whole weight dequantized, LoRA folded in, into one reused
+#: buffer; one cuBLAS GEMM) or "tiled" (row tiles on a side stream)
+LARGE_M_STRATEGY = "full"
+#: exact "full" + LoRA from this many rows; below, the tiled fold (bench_linear_h200_fold2: at 4096 rows the
+#: whole-weight LoRA fold, ~0.3 ms for fc1, is not hidden; tiles overlap it with the GEMMs)
+FULL_LORA_MIN_M = 8192
+#: fold the Turbo LoRA into the per-call weight (exact above FUSED_MAX_M rows; fp8 from FP8_FOLD_MIN_M rows)
+#: instead of the unfused branch (two extra passes over activations and output). False: always unfused.
+LORA_FOLD = True
+#: fp8 + LoRA: the fold costs one pass over the weight per call, the unfused branch costs passes over x and y
+#: that grow with M; the fold wins from about this many rows (bench_linear_h200.md)
+FP8_FOLD_MIN_M = 1024
 #: rows of W dequantized per tile by the tiled strategy
 TILE_ROWS = 3072
 _logged: set = set()
+#: how linear_with_lora computed each call, by route (diagnostics, benchmarks, tests): "fused_epilogue",
+#: "full_fold", "tiled_fold", "fp8_slot", "fp8_percall", "unfused"
+LORA_ROUTES: collections.Counter = collections.Counter()
 
 
 def _log_once(key, msg, *args, level=logging.INFO):
@@ -117,6 +135,7 @@ class PreparedExact:
     gs: torch.Tensor          # fp32 [1]
     out_features: int
     in_features: int
+    packed: PackedNVFP4 | None = None   # the native storage (same tensors, no copy): "full" strategy / fold
 
 
 @dataclass
@@ -125,6 +144,12 @@ class PreparedFP8:
     sw: torch.Tensor          # fp32 [1, Npad16]
     out_features: int
     in_features: int
+    packed: PackedNVFP4 | None = None   # the native storage (same tensors, no copy): LoRA fold
+    amax_w: torch.Tensor | None = None  # fp32 [N]: max |W[n, :]| of the exact NVFP4 weight
+    #: what w8/sw hold: None = the base weight; else the key of the Turbo LoRA folded into them (see
+    #: :func:`linear_with_lora` ``fold_key``). One slot: the fp8 path keeps one e4m3 copy per layer either way.
+    state: object = None
+    refolds: int = 0                    # times w8/sw were re-derived (adapter switch, Turbo on/off)
 
 
 class PreparedBlackwell(_PreparedPacked):
@@ -260,12 +285,13 @@ def prepare(packed: PackedNVFP4, path: str):
     if path == "exact":
         qs, _ = ref.split_pack(packed.qdata, n, k)
         sc = ref.plain_scales(packed.block_scale, packed.qdata, n, k)
-        return PreparedExact(qs, sc, gs.to(qs.device), n, k)
+        return PreparedExact(qs, sc, gs.to(qs.device), n, k, packed)
     if path == "fp8":
         npad = ref.fmt.roundup(n, 16)
         dev = packed.qdata.device
         w8 = torch.zeros((npad, k), dtype=torch.float8_e4m3fn, device=dev)
         sw = torch.ones((npad,), dtype=torch.float32, device=dev)
+        amax_w = torch.zeros((n,), dtype=torch.float32, device=dev)
         qs, _ = ref.split_pack(packed.qdata, n, k)
         sc = ref.plain_scales(packed.block_scale, packed.qdata, n, k)
         gs = gs.to(dev)
@@ -278,7 +304,8 @@ def prepare(packed: PackedNVFP4, path: str):
             else:
                 wf = ref.dequant_split(qs[r0:r1], sc[r0:r1], gs, r1 - r0, k, torch.float32)
             w8[r0:r1], sw[r0:r1] = ref.fp8_rowwise_from_weight(wf)
-        return PreparedFP8(w8, sw.reshape(1, npad), n, k)
+            amax_w[r0:r1] = wf.abs().amax(dim=1)
+        return PreparedFP8(w8, sw.reshape(1, npad), n, k, packed, amax_w)
     raise ValueError(f"prepare: unknown path {path!r} (expected one of exact, fp8, reference, blackwell_fp4)")
 
 
@@ -354,8 +381,85 @@ def _exact_tiled(x2d, p: PreparedExact, lora: tuple | None = None) -> torch.Tens
     return out
 
 
+_SCRATCH: dict = {}
+
+
+def _scratch(device, dtype, numel: int) -> torch.Tensor:
+    """A flat reusable buffer of >= numel elements per (device, dtype) for the per-call weight (grown to the
+    largest layer; zero-filled when allocated so unused fp8 rows stay finite). Logged once per size."""
+    key = (str(device), dtype)
+    buf = _SCRATCH.get(key)
+    if buf is None or buf.numel() < numel:
+        _SCRATCH.pop(key, None)
+        buf = torch.zeros(numel, device=device, dtype=dtype)
+        _SCRATCH[key] = buf
+        _log_once(("scratch", key, numel), "H3 Turbo: per-call weight buffer %s %s: %.0f MiB (one per device and "
+                  "dtype, reused by every layer)", device, dtype, numel * buf.element_size() / 2**20)
+    return buf[:numel]
+
+
+def _exact_strategy(m: int) -> str:
+    strat = EXACT_STRATEGY
+    if strat == "auto":
+        strat = "fused" if m <= FUSED_MAX_M else LARGE_M_STRATEGY
+    return strat
+
+
+def _exact_full(x2d: torch.Tensor, p: PreparedExact, lora: tuple | None = None) -> torch.Tensor:
+    """Dequantize the whole weight (Triton, from the native storage, optionally with the LoRA folded in:
+    ``triton_nvfp4.fold_weight``) into the reused buffer, then one cuBLAS GEMM. Same numbers as ``fused``/
+    ``tiled`` up to GEMM summation order (bit-identical weight)."""
+    from . import triton_nvfp4 as tk
+    pk = p.packed
+    n, k = p.out_features, p.in_features
+    w = _scratch(x2d.device, x2d.dtype, n * k).view(n, k)
+    tk.fold_weight(pk.qdata, pk.block_scale, p.gs, n, k, w, lora=lora)
+    return torch.mm(x2d, w.t())
+
+
+def _fp8_fold(x2d: torch.Tensor, p: PreparedFP8, lora: tuple) -> torch.Tensor:
+    """fp8 + LoRA: W' = W + scale * Bc @ A re-expressed per call as e4m3 with one scale per row (an upper
+    bound of max |W'| per row, ``fold_weight``), from the native NVFP4 storage (one rounding of W'); x quantized
+    per row; one rowwise ``torch._scaled_mm``. The W part is re-expressed exactly as :func:`prepare` does it
+    except for the (larger) row scale."""
+    from . import triton_nvfp4 as tk
+    pk = p.packed
+    n, k = p.out_features, p.in_features
+    npad = p.w8.shape[0]
+    w = _scratch(x2d.device, torch.float8_e4m3fn, npad * k).view(npad, k)
+    so = _scratch(x2d.device, torch.float32, npad)
+    tk.fold_weight(pk.qdata, pk.block_scale, pk.global_scale.float().reshape(1), n, k, w, lora=lora,
+                   amax_w=p.amax_w, scale_out=so)
+    x8, sx = tk.quant_rows_fp8(x2d)
+    out = torch._scaled_mm(x8, w.t(), scale_a=sx, scale_b=so.view(1, npad), out_dtype=x2d.dtype,
+                           use_fast_accum=True)
+    return out[:, :n] if npad != n else out
+
+
+def _fp8_set_state(p: PreparedFP8, key, lora: tuple | None) -> None:
+    """Make ``p.w8``/``p.sw`` hold the base weight (key None) or W + scale * Bc @ A (the ``lora`` tuple of
+    :func:`triton_nvfp4.fold_weight`), re-derived in place from the packed NVFP4 storage when ``p.state`` differs.
+    The base is re-derived with prepare's formula (e4m3(W * 448/amax), scale amax/448): bit-identical to the
+    weight :func:`prepare` made."""
+    if p.state == key:
+        return
+    from . import triton_nvfp4 as tk
+    pk = p.packed
+    n, k = p.out_features, p.in_features
+    p.state = _INVALID   # a failure below must not leave a half-written weight marked valid
+    tk.fold_weight(pk.qdata, pk.block_scale, pk.global_scale.float().reshape(1), n, k, p.w8,
+                   lora=lora if key is not None else None, amax_w=p.amax_w, scale_out=p.sw.view(-1))
+    p.state = key
+    p.refolds += 1
+
+
+_INVALID = object()
+
+
 def _linear2d(x2d: torch.Tensor, prepared, path: str) -> torch.Tensor:
     n = prepared.out_features
+    if isinstance(prepared, PreparedFP8) and prepared.state is not None:
+        _fp8_set_state(prepared, None, None)   # a Turbo LoRA was folded in by an earlier call: back to the base
     if path == "reference" or isinstance(prepared, PreparedReference):
         return F.linear(x2d, _reference_weight(prepared, x2d.dtype))
     if path == "blackwell_fp4":
@@ -368,10 +472,10 @@ def _linear2d(x2d: torch.Tensor, prepared, path: str) -> torch.Tensor:
         return F.linear(x2d, _reference_weight(prepared, x2d.dtype))
     if path == "exact":
         from . import triton_nvfp4 as tk
-        strat = EXACT_STRATEGY
-        if strat == "auto":
-            strat = "fused" if x2d.shape[0] <= FUSED_MAX_M else "tiled"
-        if strat == "tiled":
+        strat = _exact_strategy(x2d.shape[0])
+        if strat == "full" and prepared.packed is not None:
+            return _exact_full(x2d, prepared)
+        if strat in ("tiled", "full"):
             return _exact_tiled(x2d, prepared)
         return tk.gemm_exact(x2d, prepared.qs, prepared.scales, prepared.gs, n, prepared.in_features)
     if path == "fp8":
@@ -436,15 +540,25 @@ def _lora_blocks(A, B, n, qkv_blocks):
 
 
 def linear_with_lora(x: torch.Tensor, prepared, path: str, A: torch.Tensor, B: torch.Tensor, scale: float,
-                     qkv_blocks: int = 1) -> torch.Tensor:
-    """base(x) + scale * B(A(x)) with a block-diagonal qkv LoRA computed as ``qkv_blocks`` rank-r products.
+                     qkv_blocks: int = 1, bias: torch.Tensor | None = None,
+                     amax_a: torch.Tensor | None = None, fold_key=None) -> torch.Tensor:
+    """base(x) (+ bias) + scale * B(A(x)) with a block-diagonal qkv LoRA as ``qkv_blocks`` rank-r products.
 
     A: lora_down [qkv_blocks*r, K]; B: lora_up [N, qkv_blocks*r] block-diagonal (off-diagonal blocks are
     ignored) or compact [N, r] (block i of N/qkv_blocks rows uses h[:, i*r:(i+1)*r]); scale: alpha/r
-    times strength. Exact path, fused kernel: h = A(x) in x.dtype, the B product added in the GEMM
-    epilogue (fp32). Exact path, tiled strategy: the rank-r update is applied to each transient bf16 weight
-    tile (see ``_exact_tiled``; NVFP4 storage untouched). Other paths: h = A(x) in x.dtype and the B
-    product added to the output with ``addmm_`` per block (the unfused branch). Returns [..., N] in x.dtype.
+    times strength; amax_a: optional fp32 [qkv_blocks*r] = max |A| per row (the caller's cache; fp8 fold).
+    How (source of the formula: research/lightx2v-h3.md §1.1; the branch sees x itself, never a smoothed x):
+
+    - exact, M <= FUSED_MAX_M: fused Triton dequant-GEMM, h = A(x) in x.dtype, B product added in the epilogue.
+    - exact, larger M ("full"): weight-side fold W' = W + scale * Bc @ A[blk] (fp32, one rounding to bf16)
+      into the reused buffer, one cuBLAS GEMM (``LORA_FOLD``); "tiled": the same fold per row tile.
+    - fp8 with ``fold_key`` (the runtime branch passes one per adapter target and strength): the fold quantized
+      per row to e4m3 is kept in the layer's one fp8 weight slot until another key (or the base) is needed, so
+      the branch costs nothing per call and one fold per layer on an adapter switch (``_fp8_set_state``).
+    - fp8 without a key, M >= FP8_FOLD_MIN_M: the same fold per call into a reused buffer (``_fp8_fold``).
+    - otherwise (and with ``LORA_FOLD`` off): the unfused branch, h = A(x), ``addmm_`` per block into y.
+
+    The NVFP4 storage is never modified. Returns [..., N] in x.dtype. Raises ValueError on shape mismatches.
     """
     n, k = prepared.out_features, prepared.in_features
     if x.shape[-1] != k or A.shape[1] != k:
@@ -452,28 +566,50 @@ def linear_with_lora(x: torch.Tensor, prepared, path: str, A: torch.Tensor, B: t
     r, nb, bc = _lora_blocks(A, B, n, qkv_blocks)
     lead = x.shape[:-1]
     x2d = x.reshape(-1, k)
+    m = x2d.shape[0]
     a = A.to(x2d.dtype)
     bc = bc.to(x2d.dtype).contiguous()
-    strat = None
-    if (path == "exact" and x2d.device.type == "cuda" and x2d.dtype in (torch.bfloat16, torch.float16)
-            and isinstance(prepared, PreparedExact)):
-        strat = EXACT_STRATEGY
-        if strat == "auto":
-            strat = "fused" if x2d.shape[0] <= FUSED_MAX_M else "tiled"
-        if strat == "fused" and nb % 64:
-            strat = None
-    if strat == "tiled":
-        return _exact_tiled(x2d, prepared, lora=(a, bc, float(scale), nb)).reshape(*lead, n)
-    h = F.linear(x2d, a)                                             # [M, blocks*r]
-    if strat == "fused":
+    fast = x2d.device.type == "cuda" and x2d.dtype in (torch.bfloat16, torch.float16)
+    out = None
+    if fast and path == "exact" and isinstance(prepared, PreparedExact):
         from . import triton_nvfp4 as tk
-        out = tk.gemm_exact(x2d, prepared.qs, prepared.scales, prepared.gs, n, k,
-                            lora=(h, bc, float(scale), nb))
-    else:
+        strat = _exact_strategy(m)
+        if strat == "fused" and nb % 64 == 0:
+            h = F.linear(x2d, a)
+            out = tk.gemm_exact(x2d, prepared.qs, prepared.scales, prepared.gs, n, k,
+                                lora=(h, bc, float(scale), nb))
+            LORA_ROUTES["fused_epilogue"] += 1
+        elif (LORA_FOLD and strat == "full" and m >= FULL_LORA_MIN_M and prepared.packed is not None
+              and tk.fold_bn(nb) is not None):
+            out = _exact_full(x2d, prepared, lora=(a, bc, float(scale), nb))
+            LORA_ROUTES["full_fold"] += 1
+        elif LORA_FOLD and strat in ("tiled", "full"):
+            out = _exact_tiled(x2d, prepared, lora=(a, bc, float(scale), nb))
+            LORA_ROUTES["tiled_fold"] += 1
+    elif (fast and LORA_FOLD and path == "fp8" and isinstance(prepared, PreparedFP8)
+          and prepared.packed is not None and prepared.amax_w is not None):
+        from . import triton_nvfp4 as tk
+        if tk.fold_bn(nb) is not None:
+            lt = (a, bc, float(scale), nb, amax_a)
+            if fold_key is not None:
+                _fp8_set_state(prepared, (fold_key, float(scale)), lt)
+                x8, sx = tk.quant_rows_fp8(x2d)
+                out = torch._scaled_mm(x8, prepared.w8.t(), scale_a=sx, scale_b=prepared.sw, out_dtype=x2d.dtype,
+                                       use_fast_accum=True)
+                out = out[:, :n] if out.shape[1] != n else out
+                LORA_ROUTES["fp8_slot"] += 1
+            elif m >= FP8_FOLD_MIN_M:
+                out = _fp8_fold(x2d, prepared, lora=lt)
+                LORA_ROUTES["fp8_percall"] += 1
+    if out is None:
+        LORA_ROUTES["unfused"] += 1
+        h = F.linear(x2d, a)                                             # [M, blocks*r]
         out = _linear2d(x2d, prepared, path)
         for i in range(qkv_blocks):
             out[:, i * nb:(i + 1) * nb].addmm_(h[:, i * r:(i + 1) * r], bc[i * nb:(i + 1) * nb].t(),
                                                alpha=float(scale))
+    if bias is not None:
+        out = out + bias.to(out.dtype)
     return out.reshape(*lead, n)
 
 

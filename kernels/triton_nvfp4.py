@@ -55,6 +55,21 @@ def _cast(v, dt: tl.constexpr, INTERP: tl.constexpr):
 
 
 @triton.jit
+def _to_e4m3(v, dt: tl.constexpr, INTERP: tl.constexpr):
+    """fp32 (|v| <= 448) -> e4m3 with round-to-nearest-even. The interpreter's cast mis-rounds values whose
+    rounding carries into the exponent, so there the value is first rounded onto the e4m3 grid by hand
+    (3 mantissa bits; below 2^-6 the subnormal step 2^-9), after which the cast is exact."""
+    if INTERP:
+        b = v.to(tl.uint32, bitcast=True)
+        b = (b + 0x7FFFF + ((b >> 20) & 1)) & 0xFFF00000
+        normal = b.to(tl.float32, bitcast=True)
+        sub = ((tl.abs(v) * 512.0 + 12582912.0) - 12582912.0) / 512.0
+        sub = tl.where((b >> 31) != 0, -sub, sub)             # keep the sign (of -0 too)
+        v = tl.where(tl.abs(v) < 0.015625, sub, normal)
+    return v.to(dt)
+
+
+@triton.jit
 def _mma(a, b, acc, INTERP: tl.constexpr):
     """acc += a @ b; the interpreter's bf16 dot is broken, so it multiplies exact fp32 copies there."""
     if INTERP:
@@ -277,7 +292,7 @@ def dequant(qs: torch.Tensor, scales: torch.Tensor, gs: torch.Tensor, n: int, k:
 
 
 @triton.jit
-def _quant_rows_kernel(x_ptr, q_ptr, s_ptr, K, stride_xm, stride_qm, BLOCK: tl.constexpr):
+def _quant_rows_kernel(x_ptr, q_ptr, s_ptr, K, stride_xm, stride_qm, BLOCK: tl.constexpr, INTERP: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     amax = tl.zeros((BLOCK,), dtype=tl.float32)
@@ -291,7 +306,7 @@ def _quant_rows_kernel(x_ptr, q_ptr, s_ptr, K, stride_xm, stride_qm, BLOCK: tl.c
         m = (k0 + offs) < K
         v = tl.load(x_ptr + row * stride_xm + k0 + offs, mask=m, other=0.0).to(tl.float32)
         qv = tl.minimum(tl.maximum(v * inv, -448.0), 448.0)
-        tl.store(q_ptr + row * stride_qm + k0 + offs, qv.to(q_ptr.dtype.element_ty), mask=m)
+        tl.store(q_ptr + row * stride_qm + k0 + offs, _to_e4m3(qv, q_ptr.dtype.element_ty, INTERP), mask=m)
     tl.store(s_ptr + row, a / 448.0)
 
 
@@ -305,5 +320,146 @@ def quant_rows_fp8(x2d: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     s = torch.empty((m, 1), device=x2d.device, dtype=torch.float32)
     if m:
         block = min(4096, triton.next_power_of_2(k))
-        _quant_rows_kernel[(m,)](x2d, q, s, k, x2d.stride(0), q.stride(0), BLOCK=block, num_warps=4)
+        _quant_rows_kernel[(m,)](x2d, q, s, k, x2d.stride(0), q.stride(0), BLOCK=block, INTERP=INTERPRET,
+                                 num_warps=4)
     return q, s
+
+
+# --------------------------------------------------------------------------- weight-side fold
+
+@triton.jit
+def _fold_kernel(q_ptr, s_ptr, gs_ptr, a_ptr, b_ptr, lora_scale, amaxw_ptr, amaxa_ptr, so_ptr, out_ptr,
+                 N, K, stride_q, NCB4, stride_a, stride_o, R, NB,
+                 HAS_LORA: tl.constexpr, FP8_OUT: tl.constexpr, BR: tl.constexpr,
+                 BN: tl.constexpr, KB_PER: tl.constexpr, INTERP: tl.constexpr):
+    """One [BN, KB_PER*128] tile of W' = dequant(W) (+ lora_scale * Bc[n] @ A[blk]) from the NATIVE
+    ComfyUI storage (qdata element 2j in the high nibble; block scales in the cuBLAS to_blocked layout,
+    NCB4 = its column count / 4), rounded once to out's dtype (bf16/fp16) or, FP8_OUT, quantized per row
+    as e4m3(clamp(W' * 448 / bound[n], +-448)) with bound[n] = amax_w[n] + |lora_scale| *
+    sum_r |Bc[n, r]| * amax_a[blk*R + r] >= max_k |W'[n, k]| (written to so_ptr as bound/448)."""
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    offs_n = pid_n * BN + tl.arange(0, BN)
+    nmask = offs_n < N
+    rn = offs_n % N
+    g8 = tl.arange(0, 8)
+    j8 = tl.arange(0, 8)
+    c128 = tl.arange(0, 128)
+    gs = tl.load(gs_ptr)
+    # swizzled scale offset of (row n, scale column c): tile (n//128, c//4), inside: (n%32)*16 + ((n%128)//32)*4 + c%4
+    srow = (rn // 128) * (NCB4 * 512) + (rn % 32) * 16 + ((rn % 128) // 32) * 4
+    if HAS_LORA:
+        blk = (pid_n * BN) // NB
+        ar = tl.arange(0, BR)
+        bt = tl.load(b_ptr + rn[:, None] * R + ar[None, :], mask=ar[None, :] < R, other=0.0)
+    if FP8_OUT:
+        bound = tl.load(amaxw_ptr + rn)
+        if HAS_LORA:
+            am = tl.load(amaxa_ptr + blk * R + ar, mask=ar < R, other=0.0)
+            bound = bound + tl.abs(lora_scale) * tl.sum(tl.abs(bt.to(tl.float32)) * am[None, :], axis=1)
+        bound = tl.where(bound > 0, bound, 1.0)
+        inv = 448.0 / bound
+        if pid_k == 0:
+            tl.store(so_ptr + offs_n, bound / 448.0, mask=nmask)
+    for kk in range(0, KB_PER):
+        kb = pid_k * KB_PER + kk
+        k0 = kb * 128
+        # bytes [BN, 8 scale groups, 8 bytes]: byte j of group g holds elements 16g+2j (high nibble), 16g+2j+1
+        cm = (k0 + g8 * 16) < K                                # K % 16 == 0: a scale group is all in or all out
+        p = tl.load(q_ptr + rn[:, None, None] * stride_q + kb * 64 + g8[None, :, None] * 8 + j8[None, None, :],
+                    mask=cm[None, :, None], other=0).to(tl.int32)
+        sc = kb * 8 + g8                                       # the 8 scale columns of this 128-column block
+        s = _e4m3_x2p14(tl.load(s_ptr + srow[:, None] + (sc // 4)[None, :] * 512 + (sc % 4)[None, :],
+                                mask=cm[None, :], other=0).to(tl.int32))
+        w_even = (_e2m1_x2m14(p >> 4) * s[:, :, None]) * gs
+        w_odd = (_e2m1_x2m14(p & 15) * s[:, :, None]) * gs
+        w = tl.reshape(tl.join(w_even, w_odd), (BN, 128))
+        kmask = (k0 + c128) < K
+        if HAS_LORA:
+            at = tl.load(a_ptr + (blk * R + ar)[:, None] * stride_a + k0 + c128[None, :],
+                         mask=(ar[:, None] < R) & kmask[None, :], other=0.0)
+            w = w + _mma(bt, at, tl.zeros((BN, 128), dtype=tl.float32), INTERP) * lora_scale
+        o = out_ptr + offs_n[:, None] * stride_o + k0 + c128[None, :]
+        om = nmask[:, None] & kmask[None, :]
+        if FP8_OUT:
+            qv = w * inv[:, None]
+            if INTERP:  # the GPU conversion saturates (cvt.rn.satfinite); |qv| <= 448 up to fp32 rounding anyway
+                qv = tl.minimum(tl.maximum(qv, -448.0), 448.0)
+            tl.store(o, _to_e4m3(qv, out_ptr.dtype.element_ty, INTERP), mask=om)
+        else:
+            tl.store(o, _cast(w, out_ptr.dtype.element_ty, INTERP), mask=om)
+
+
+#: launch settings of :func:`fold_weight` (H200 measurement: benchmarks/results/bench_fold_h200.md)
+FOLD_CFG = {"warps": 4, "stages": 2, "kb_per": 4, "bn": 64}
+
+
+def fold_bn(nb: int | None) -> int | None:
+    """Row tile of :func:`fold_weight` for LoRA blocks of ``nb`` rows (None: no LoRA): the largest of
+    64/32/16 that divides ``nb`` (a tile must not straddle two qkv blocks); None if none does."""
+    if nb is None:
+        return 16 if INTERPRET else FOLD_CFG["bn"]
+    for bn in ((16,) if INTERPRET else tuple(b for b in (128, 64, 32, 16) if b <= FOLD_CFG["bn"])):
+        if nb % bn == 0:
+            return bn
+    return None
+
+
+def fold_weight(qdata: torch.Tensor, block_scale: torch.Tensor, gs: torch.Tensor, n: int, k: int,
+                out: torch.Tensor, lora: tuple | None = None, amax_w: torch.Tensor | None = None,
+                scale_out: torch.Tensor | None = None) -> torch.Tensor:
+    """Materialize a layer weight from its native NVFP4 storage, optionally with a LoRA folded in
+    (the weight-side form of the Turbo branch: one pass over the packed weight per call instead of two
+    passes over the activations and the output).
+
+    qdata uint8 [Np, Kp/2] (element 2j in the high nibble), block_scale e4m3/uint8 in the cuBLAS to_blocked
+    layout [roundup(Np,128), roundup(Kp/16,4)], gs fp32 [1] (``weight_scale_2``): H3_FACTS §3.
+    lora: (A [blocks*r, K] bf16, Bc [n, r] bf16, scale float, NB rows per block, amax_a fp32 [blocks*r] or
+    None): W'[i] = W[i] + scale * Bc[i] @ A[i // NB] in fp32 (tensor-core product, fp32 accumulation).
+    out: [>=n, k] bf16/fp16: W' rounded once (without lora bit-identical to :func:`nvfp4_ref.dequant_exact`);
+    or float8_e4m3fn: needs ``amax_w`` fp32 [n] (max |W| per row) and ``scale_out`` fp32 [>=n]; row n is
+    e4m3(clamp(W'[n] * 448 / bound[n], -448, 448)) with the upper bound bound[n] = amax_w[n] +
+    |scale| * sum_r |Bc[n, r]| * amax_a[r] of max |W'[n]| (no clipping), and scale_out[n] = bound[n] / 448.
+    Rows >= n of ``out`` are not written. Raises ValueError for a bad ``out`` or an NB no row tile divides.
+    """
+    if out.shape[0] < n or out.shape[1] != k or out.stride(1) != 1:
+        raise ValueError(f"fold_weight: out {tuple(out.shape)} cannot hold a [{n}, {k}] weight (unit column stride)")
+    fp8 = out.dtype == torch.float8_e4m3fn
+    if fp8 and (amax_w is None or scale_out is None or amax_w.numel() < n or scale_out.numel() < n):
+        raise ValueError("fold_weight: an e4m3 output needs amax_w [n] and scale_out [n]")
+    bsu = block_scale.view(torch.uint8) if block_scale.dtype != torch.uint8 else block_scale
+    ncb4 = bsu.shape[1] // 4
+    amax_a = None
+    if lora is not None:
+        a, bc, lscale, nb = lora[:4]
+        amax_a = lora[4] if len(lora) > 4 else None
+        bn = fold_bn(nb)
+        if bn is None:
+            raise ValueError(f"fold_weight: LoRA block rows {nb} are not a multiple of 16")
+        r = bc.shape[1]
+        blocks = -(-n // nb)
+        if a.dim() != 2 or a.shape[1] != k or a.shape[0] < blocks * r or bc.dim() != 2 or bc.shape[0] < n:
+            raise ValueError(f"fold_weight: LoRA A {tuple(a.shape)} / Bc {tuple(bc.shape)} do not fit a [{n}, {k}] "
+                             f"weight with {blocks} block(s) of {nb} rows (expected A [{blocks}*r, {k}], Bc [{n}, r])")
+        if a.stride(1) != 1:
+            a = a.contiguous()
+        if fp8 and amax_a is None:
+            amax_a = a.abs().amax(dim=1).float()
+        args = (a, bc.contiguous(), float(lscale))
+        has_lora, br, stride_a = True, max(16, triton.next_power_of_2(r)), a.stride(0)
+    else:
+        bn = fold_bn(None)
+        args = (qdata, qdata, 0.0)
+        has_lora, br, stride_a, r, nb = False, 16, 0, 1, n
+    nkb = triton.cdiv(k, 128)
+    kb_per = 1 if INTERPRET else (FOLD_CFG["kb_per"] or nkb)   # 0: one program per row tile, the whole K
+    while nkb % kb_per:
+        kb_per //= 2
+    dummy = gs
+    grid = (triton.cdiv(n, bn), nkb // kb_per)
+    _fold_kernel[grid](qdata, bsu, gs, *args, amax_w if fp8 else dummy, amax_a if amax_a is not None else dummy,
+                       scale_out if fp8 else dummy, out, n, k, qdata.stride(0), ncb4, stride_a, out.stride(0), r, nb,
+                       HAS_LORA=has_lora, FP8_OUT=fp8, BR=br, BN=bn, KB_PER=kb_per, INTERP=INTERPRET,
+                       num_warps=FOLD_CFG["warps"] if bn > 32 else 4,
+                       num_stages=FOLD_CFG["stages"])
+    return out

@@ -113,6 +113,26 @@ def make_operations(load_device, compute_dtype: torch.dtype | None = None):
                 comfy.ops.run_every_op()
                 return _kernel_forward(self, input, path)
 
+            def h3turbo_lora_forward(self, input, A, Bc, coef, blocks, amax_a, key=None):
+                """This layer's output with the Turbo branch ``coef * Bc @ (A @ input)`` computed together by
+                ``kernels.dispatch.linear_with_lora`` (weight-side fold / fused epilogue), or None when this call
+                cannot (the caller then runs ``forward`` + the unfused branch). A [blocks*r, K], Bc [N, r] and
+                amax_a fp32 [blocks*r] on input's device and dtype; ``key`` identifies the adapter target (fp8: the
+                fold stays in the layer's fp8 weight until another key or the base is needed). The branch sees
+                ``input`` itself; a layer with ``pre_quant_scale`` (smoothed base input) always returns None."""
+                path = self._h3_path
+                if path not in ("exact", "fp8") or input.dtype not in (torch.bfloat16, torch.float16) \
+                        or input.device.type != "cuda":
+                    return None
+                if _kernel_blocker(self, input) is not None:
+                    return None
+                if getattr(self, "pre_quant_scale", None) is not None:
+                    _log_once(("lora_pqs", path), "H3 Turbo compute=%s: layers with pre_quant_scale run the Turbo "
+                              "branch unfused (it must see the unsmoothed input)", path)
+                    return None
+                comfy.ops.run_every_op()
+                return _kernel_forward(self, input, path, lora=(A, Bc, coef, blocks, amax_a, key))
+
     H3TurboOps.__name__ = "H3TurboOps"
     return H3TurboOps
 
@@ -135,9 +155,10 @@ def _kernel_blocker(m, x) -> str | None:
     return None
 
 
-def _kernel_forward(m, x, path):
+def _kernel_forward(m, x, path, lora=None):
     """y = dispatch.linear(x * pre_quant_scale, prepared(weight), path) + bias; ``prepared`` is cached
-    per weight object (core's weight patching replaces the Parameter, which re-prepares)."""
+    per weight object (core's weight patching replaces the Parameter, which re-prepares). ``lora``:
+    (A, Bc, coef, blocks, amax_a, key) -> ``dispatch.linear_with_lora`` (only without pre_quant_scale)."""
     from ..kernels import dispatch
 
     w = m.weight
@@ -152,6 +173,10 @@ def _kernel_forward(m, x, path):
     bias = m.bias
     if bias is not None:
         bias = bias.to(device=x.device, dtype=x.dtype)
+    if lora is not None:
+        a, bc, coef, blocks, amax_a, key = lora
+        return dispatch.linear_with_lora(x, m._h3_cache[1], path, a, bc, coef, blocks, bias=bias, amax_a=amax_a,
+                                         fold_key=key)
     return dispatch.linear(x, m._h3_cache[1], path, bias)
 
 

@@ -18,7 +18,8 @@ def test_resolve_backend_and_buckets():
     assert A.resolve_backend("auto") == "exact"
     assert A.resolve_backend("exact") == "exact"
     assert A.resolve_backend("sdpa_core") == "sdpa_core"
-    with pytest.raises(ValueError, match=r"unknown backend 'sage'.*\['auto', 'exact', 'sdpa_core'\]"):
+    assert A.resolve_backend("int8_sage") == "int8_sage"
+    with pytest.raises(ValueError, match=r"unknown backend 'sage'.*\['auto', 'exact', 'sdpa_core', 'int8_sage'\]"):
         A.resolve_backend("sage")
     assert [A.length_bucket(n) for n in (1, 2, 3, 300, 19584, 32768, 32769, 37632, 109000)] == \
         [1, 2, 4, 512, 32768, 32768, 65536, 65536, 131072]
@@ -263,9 +264,13 @@ def test_node_sets_override_per_model(comfy, fixtures_dir):
     assert core_sdpa.model_options["transformer_options"]["optimized_attention_override"] is ov
     with pytest.raises(ValueError, match="unknown backend"):
         H3TurboAttention.execute(model=model, backend="int8")
+    from h3_turbo.kernels import attention_int8
+    eight = H3TurboAttention.execute(model=model, backend="int8_sage").result[0]
+    assert eight.model_options["transformer_options"]["optimized_attention_override"] is attention_int8.int8_override()
+    assert "optimized_attention_override" not in model.model_options["transformer_options"]
 
 
-def _prompt(prefix, with_node):
+def _prompt(prefix, with_node, backend="auto"):
     p = {
         "1": {"class_type": "UNETLoader", "inputs": {"unet_name": "h3_tiny_bf16.safetensors", "weight_dtype": "default"}},
         "2": {"class_type": "LoraLoaderModelOnly", "inputs": {"model": ["1", 0], "lora_name": "h3_tiny_turbo_4step_comfyui_bf16.safetensors", "strength_model": 1.0}},
@@ -282,7 +287,7 @@ def _prompt(prefix, with_node):
         "13": {"class_type": "SaveLatent", "inputs": {"samples": ["11", 1], "filename_prefix": f"{prefix}/audio"}},
     }
     if with_node:
-        p["20"] = {"class_type": "H3TurboAttention", "inputs": {"model": ["1", 0], "backend": "auto"}}
+        p["20"] = {"class_type": "H3TurboAttention", "inputs": {"model": ["1", 0], "backend": backend}}
         p["2"]["inputs"]["model"] = ["20", 0]
     return p
 
@@ -310,4 +315,29 @@ def test_node_in_real_graph_is_bit_identical_on_cpu(comfy):
         a = load_file(os.path.join(out, "h3attn_without", f"{part}_00001_.latent"))["latent_tensor"]
         b = load_file(os.path.join(out, "h3attn_with", f"{part}_00001_.latent"))["latent_tensor"]
         assert a.shape == b.shape and torch.isfinite(a).all() and a.float().std() > 0.01
+        assert torch.equal(a, b), part
+
+
+@pytest.mark.comfyui
+def test_int8_backend_on_cpu_runs_exact_and_is_bit_identical(comfy, caplog):
+    """backend=int8_sage in a real graph on the CPU: every DiT attention call is handed to the exact override
+    (which on the CPU is core's own path) and the latents are bit-identical to the
+    graph without the node. (The 8-bit kernel itself: tests/test_attention_int8.py, interpreted.)"""
+    import logging
+
+    import folder_paths
+    from safetensors.torch import load_file
+
+    from h3_turbo.kernels import attention_int8
+
+    ov = attention_int8.int8_override()
+    f0, c0 = ov.fallbacks, ov.calls
+    with caplog.at_level(logging.INFO, logger="h3_turbo"):
+        comfy.run(_prompt("h3attn8_with", True, backend="int8_sage"))
+    assert ov.fallbacks - f0 == 4 * 50 and ov.calls == c0
+    comfy.run(_prompt("h3attn8_without", False))
+    out = folder_paths.get_output_directory()
+    for part in ("video", "audio"):
+        a = load_file(os.path.join(out, "h3attn8_without", f"{part}_00001_.latent"))["latent_tensor"]
+        b = load_file(os.path.join(out, "h3attn8_with", f"{part}_00001_.latent"))["latent_tensor"]
         assert torch.equal(a, b), part

@@ -1,6 +1,8 @@
 """Triton kernels of kernels/triton_nvfp4.py on the CPU (TRITON_INTERPRET=1): bit-exact dequant, fused
 dequant-GEMM vs float64 (ragged M, K multiple of 128 as in H3 and not), both MMA operand orders, fused
-LoRA epilogue and the tiled strategy with LoRA folded into the weight tiles, NaN-poisoned outputs.
+LoRA epilogue and the tiled strategy with LoRA folded into the weight tiles, NaN-poisoned outputs; the
+native-layout weight fold (``fold_weight``: bf16 / e4m3 row-bound outputs, the "full" exact strategy, the fp8
+folded-weight slot) and the per-row fp8 activation quantization.
 
 Run through tests/test_kernels.py::test_triton_kernels_interpreted_on_cpu (a fresh process with
 TRITON_INTERPRET=1); collected in-process without that variable, the module skips itself."""
@@ -133,3 +135,157 @@ def test_exact_tiled_strategy_with_merged_lora_tiles(tk, monkeypatch, blocks, r,
     unf = dsp.linear_with_lora(x, dsp.prepare(p, "reference"), "reference", A, Bc, 0.5, blocks)
     assert rel(got, unf) < 1e-2
     assert rel(got, base) > 5e-2
+
+
+# ------------------------------------------------------------------------------------ weight-side fold
+
+def _merged64(p, A, Bc, scale, blocks):
+    """float64 W + scale * Bc[i] @ A[blk(i)] (the Turbo branch folded into the weight, no rounding)."""
+    n, k = p.out_features, p.in_features
+    w = ref.dequant_fp64(p.qdata, p.block_scale, p.global_scale, n, k)
+    r, nb = A.shape[0] // blocks, n // blocks
+    for i in range(blocks):
+        w[i * nb:(i + 1) * nb] += scale * (Bc[i * nb:(i + 1) * nb].double() @ A[i * r:(i + 1) * r].double())
+    return w
+
+
+@pytest.mark.parametrize("n,k", SHAPES)
+def test_fold_weight_without_lora_is_the_reference_dequant(tk, n, k):
+    """The native-layout dequant (swizzled scales read in place, nibbles interleaved in registers) equals
+    nvfp4_ref.dequant_exact bit for bit; every element of a NaN-poisoned output is written."""
+    p = make_packed(n, k, seed=k + 1, dist="t3")
+    want = ref.dequant_exact(p.qdata, p.block_scale, p.global_scale, n, k)
+    out = torch.full((n, k), float("nan"), dtype=torch.bfloat16)
+    tk.fold_weight(p.qdata, p.block_scale, p.global_scale.float().reshape(1), n, k, out)
+    assert torch.equal(out.view(torch.int16), want.view(torch.int16))
+
+
+@pytest.mark.parametrize("blocks,r", [(3, 4), (1, 20)])
+def test_fold_weight_bf16_lora_vs_float64(tk, blocks, r):
+    n, k = 192, 272                       # K % 128 != 0: the last 128-column block is partial
+    p = make_packed(n, k, seed=21)
+    g = torch.Generator().manual_seed(2)
+    A = (torch.randn(blocks * r, k, generator=g) * 0.05).to(torch.bfloat16)
+    Bc = (torch.randn(n, r, generator=g) * 0.05).to(torch.bfloat16)
+    out = torch.full((n, k), float("nan"), dtype=torch.bfloat16)
+    tk.fold_weight(p.qdata, p.block_scale, p.global_scale.float().reshape(1), n, k, out,
+                   lora=(A, Bc, 0.75, n // blocks))
+    want = _merged64(p, A, Bc, 0.75, blocks)
+    assert torch.isfinite(out).all()
+    # one rounding to bf16 of an fp32 sum: <= 2^-9 per element, ~1.6e-3 in norm
+    assert rel(out, want) < 2.5e-3
+    assert ((out.double() - want).abs() <= want.abs() * 2 ** -8 + 1e-30).all()
+    assert rel(out, ref.dequant_exact(p.qdata, p.block_scale, p.global_scale, n, k)) > 5e-2  # LoRA is there
+
+
+@pytest.mark.parametrize("blocks,r,dist", [(3, 4, "gauss"), (1, 20, "t3")])
+def test_fold_weight_fp8_rowwise_bound_and_bytes(tk, blocks, r, dist):
+    """e4m3 output: the row scale is an upper bound of max |W'| (nothing clips), and the bytes are e4m3 (RNE) of
+    W' * 448 / bound (compared with torch's own conversion of the float64 W')."""
+    n, k = 96, 384
+    p = make_packed(n, k, seed=5, dist=dist)
+    g = torch.Generator().manual_seed(9)
+    A = (torch.randn(blocks * r, k, generator=g) * 0.05).to(torch.bfloat16)
+    Bc = (torch.randn(n, r, generator=g) * 0.05).to(torch.bfloat16)
+    w0 = ref.dequant_fp64(p.qdata, p.block_scale, p.global_scale, n, k)
+    amax_w = w0.abs().amax(dim=1).float()
+    out = torch.zeros((n + 16, k), dtype=torch.float8_e4m3fn)
+    so = torch.full((n + 16,), 7.0)
+    tk.fold_weight(p.qdata, p.block_scale, p.global_scale.float().reshape(1), n, k, out,
+                   lora=(A, Bc, -0.6, n // blocks), amax_w=amax_w, scale_out=so)
+    want = _merged64(p, A, Bc, -0.6, blocks)
+    assert (so[n:] == 7.0).all() and (out[n:].float() == 0).all()          # pad rows untouched
+    bound = so[:n].double() * 448
+    assert (bound >= want.abs().amax(dim=1) * (1 - 1e-6)).all()              # no clipping
+    amax_a = A.abs().amax(dim=1).double()
+    expect = amax_w.double() + 0.6 * torch.stack([
+        Bc[i].abs().double() @ amax_a[(i // (n // blocks)) * r:((i // (n // blocks)) + 1) * r] for i in range(n)])
+    assert torch.allclose(bound, expect, rtol=1e-5)
+    q_want = (want * (448 / bound)[:, None]).float().clamp(-448, 448).to(torch.float8_e4m3fn)
+    mism = (out[:n].view(torch.uint8) != q_want.view(torch.uint8))
+    assert mism.float().mean() < 2e-3                                        # fp32 vs fp64 ties only
+    # the re-expressed weight is e4m3-close to W' (3 mantissa bits: <= 2^-4 per normal element)
+    deq = out[:n].double() * so[:n, None].double()
+    assert 5e-3 < rel(deq, want) < 4e-2
+
+
+def test_exact_full_and_fp8_fold_paths_on_cpu(tk, monkeypatch):
+    """dispatch._exact_full / _fp8_fold (the large-M Turbo paths) computed on the CPU: base equals F.linear on the
+    exact weight; with LoRA they match the float64 branch within bf16 (exact) / fp8 (<= 5%) bounds."""
+    monkeypatch.setattr(dsp, "_SCRATCH", {})
+    n, k, m, blocks, r = 192, 256, 33, 3, 4
+    p = make_packed(n, k, seed=17)
+    pe, p8 = dsp.prepare(p, "exact"), dsp.prepare(p, "fp8")
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(m, k, generator=g).to(torch.bfloat16)
+    A = (torch.randn(blocks * r, k, generator=g) * 0.05).to(torch.bfloat16)
+    Bc = (torch.randn(n, r, generator=g) * 0.05).to(torch.bfloat16)
+    w = ref.dequant_exact(p.qdata, p.block_scale, p.global_scale, n, k)
+    assert torch.equal(dsp._exact_full(x, pe), torch.nn.functional.linear(x, w))
+    want = dsp.lora_reference(x, p, A, Bc, 0.5, blocks)
+    got = dsp._exact_full(x, pe, lora=(A, Bc, 0.5, n // blocks))
+    assert rel(got, want) < 4e-3
+    unf = dsp.linear_with_lora(x, pe, "exact", A, Bc, 0.5, blocks)   # CPU: the unfused branch
+    assert rel(got, unf) < 6e-3 and rel(got, dsp._exact_full(x, pe)) > 5e-2
+    got8 = dsp._fp8_fold(x, p8, lora=(A, Bc, 0.5, n // blocks, None))
+    e8 = rel(got8, want)
+    assert 5e-3 < e8 < 5e-2, e8
+    # folding the branch in adds no error class of its own: as far from the float64 branch as the base fp8 GEMM
+    # is from the float64 base GEMM
+    w64 = ref.dequant_fp64(p.qdata, p.block_scale, p.global_scale, n, k)
+    e_base = rel(ref.fp8_linear_emulated(x, p8.w8[:n], p8.sw[0, :n], torch.bfloat16), x.double() @ w64.t())
+    assert e8 < 1.15 * e_base, (e8, e_base)
+    # a second layer of another shape reuses (and grows) the same buffers; the first result is unaffected
+    p2 = make_packed(64, 384, seed=3)
+    before = got.clone()
+    dsp._exact_full(torch.randn(5, 384).to(torch.bfloat16), dsp.prepare(p2, "exact"))
+    assert torch.equal(before, got)
+
+
+@pytest.mark.parametrize("m,k", [(7, 300), (33, 5376)])
+def test_quant_rows_fp8_bytes_equal_the_reference(tk, m, k):
+    """Per-row activation quantization: scales and e4m3 bytes equal nvfp4_ref.quantize_rows_fp8 (RNE, incl.
+    values that round up into the next binade: the interpreter's own cast halves those), zero rows get scale
+    1/448."""
+    g = torch.Generator().manual_seed(m)
+    x = (torch.randn(m, k, generator=g) * torch.logspace(-3, 2, m)[:, None]).to(torch.bfloat16)
+    x[2] = 0
+    q, s = tk.quant_rows_fp8(x)
+    qr, sr = ref.quantize_rows_fp8(x)
+    assert torch.equal(s, sr) and float(s[2]) == float(torch.tensor(1 / 448, dtype=torch.float32))
+    # equal bytes, except where x * 448/amax lands within an fp32 ulp of an e4m3 rounding tie (the interpreter
+    # forms 448/amax in float64): those differ by one e4m3 step (adjacent codes), never more
+    d = (q.view(torch.uint8).int() - qr.view(torch.uint8).int()).abs()
+    assert int(d.max()) <= 1 and float((d > 0).float().mean()) < 5e-3
+
+
+def test_fp8_folded_weight_slot_switches_and_restores_base_bit_identically(tk):
+    """fp8 + runtime Turbo LoRA keeps the fold in the layer's one e4m3 weight slot: switching to a key folds W + s*Bc@A
+    in place; another strength refolds; the base (Turbo off, or any plain call) is re-derived bit-identical to what
+    prepare() made; a failure mid-fold leaves the slot marked invalid, so the next call re-derives it."""
+    n, k, blocks, r = 96, 256, 3, 4
+    p = make_packed(n, k, seed=31, dist="t3")
+    p8 = dsp.prepare(p, "fp8")
+    w8_0, sw_0 = p8.w8.clone(), p8.sw.clone()
+    g = torch.Generator().manual_seed(6)
+    A = (torch.randn(blocks * r, k, generator=g) * 0.05).to(torch.bfloat16)
+    Bc = (torch.randn(n, r, generator=g) * 0.05).to(torch.bfloat16)
+    lt = (A, Bc, 0.5, n // blocks, None)
+    dsp._fp8_set_state(p8, ("t", 0.5), lt)
+    assert p8.state == ("t", 0.5) and p8.refolds == 1
+    want = _merged64(p, A, Bc, 0.5, blocks)
+    assert rel(p8.w8[:n].double() * p8.sw[0, :n, None].double(), want) < 4e-2
+    assert not torch.equal(p8.w8, w8_0)
+    dsp._fp8_set_state(p8, ("t", 0.5), lt)          # same key: nothing to do
+    assert p8.refolds == 1
+    dsp._fp8_set_state(p8, ("t", 0.25), (A, Bc, 0.25, n // blocks, None))
+    assert p8.refolds == 2
+    x = torch.randn(5, k, generator=g).to(torch.bfloat16)
+    dsp.linear(x, p8, "fp8")                        # a plain call puts the base back (CPU: reference on it)
+    assert p8.state is None and p8.refolds == 3
+    assert torch.equal(p8.w8.view(torch.uint8), w8_0.view(torch.uint8)) and torch.equal(p8.sw, sw_0)
+    with pytest.raises(ValueError):
+        dsp._fp8_set_state(p8, ("t", 1.0), (A[:, :8], Bc, 1.0, n // blocks, None))  # broken operands
+    assert p8.state is dsp._INVALID
+    dsp.linear(x, p8, "fp8")
+    assert p8.state is None and torch.equal(p8.w8.view(torch.uint8), w8_0.view(torch.uint8))

@@ -557,3 +557,64 @@ def test_residency_does_not_cache_adapter_that_misfits_requesting_model(fixtures
     with pytest.raises(TurboLoRAError, match="wrong hidden sizes"):  # cached, still checked per model
         residency.get(fixtures_dir["lora_4step"], dims)
     residency.clear()
+
+
+def test_fused_layer_hook_gets_the_branch_operands_and_falls_back(fixtures_dir, base_sd):
+    """A layer offering ``h3turbo_lora_forward`` (the loader's NVFP4 layers) gets x, A, Bc (qkv: the three diagonal
+    blocks stacked), coef, splits and max|A| per row, and its result replaces forward + unfused branch; when it
+    returns None (a call its kernels cannot take) the unfused branch runs; a layer someone wrapped before us keeps
+    the unfused branch (its wrapper must run)."""
+    lora = turbo_lora.load_turbo_lora(fixtures_dir["lora_4step"])
+    dm = FakeH3(base_sd).float()
+    seen = []
+
+    class FusedLinear(torch.nn.Linear):
+        answer = True
+
+        def h3turbo_lora_forward(self, x, A, Bc, coef, blocks, amax_a, key):
+            assert key[0]() is not None and hash(key) == hash(key)
+            seen.append((tuple(A.shape), tuple(Bc.shape), coef, blocks, amax_a))
+            if not FusedLinear.answer:
+                return None
+            r, nb = A.shape[0] // blocks, Bc.shape[0] // blocks
+            y = torch.nn.functional.linear(x, self.weight).double()
+            for i in range(blocks):
+                y[..., i * nb:(i + 1) * nb] += coef * (x.double() @ A[i * r:(i + 1) * r].double().t()
+                                                       @ Bc[i * nb:(i + 1) * nb].double().t())
+            return y.float()
+
+    qkv, fc1 = dm.blocks[3].attn.qkv_proj, dm.blocks[3].mlp.fc1
+    qkv.__class__ = FusedLinear
+    fc1.__class__ = FusedLinear
+    foreign = dm.blocks[5].mlp.fc1
+    foreign.__class__ = FusedLinear
+    foreign.forward = lambda x: torch.nn.functional.linear(x, foreign.weight)  # wrapped before our injection
+    b = br.TurboBranch(br.AdapterModule(lora), 0.8)
+    b.inject(dm)
+    x = torch.randn(3, CFG.hidden, generator=torch.Generator().manual_seed(1))
+    tl_qkv = lora.targets["blocks.3.attn.qkv_proj"]
+    want = torch.nn.functional.linear(x, qkv.weight).double() + _ref_delta(tl_qkv, x, 0.8)
+    got = qkv(x)
+    assert b.fused_calls == 1 and b.count_of("blocks.3.attn.qkv_proj") == 1
+    (sa, sbc, coef, blocks, amax_a) = seen[-1]
+    r = tl_qkv.A.shape[0]
+    assert sa == (r, CFG.hidden) and blocks == 3 and sbc == (tl_qkv.B.shape[0], r // 3)
+    assert coef == pytest.approx(0.8 * tl_qkv.scale)
+    assert torch.equal(amax_a, tl_qkv.A.float().abs().amax(dim=1))
+    assert (got.double() - want).abs().max().item() <= 1e-5 * want.abs().max().item()
+    # the hook declines: forward + unfused branch, same numbers
+    FusedLinear.answer = False
+    got2 = qkv(x)
+    assert b.fused_calls == 1 and b.count_of("blocks.3.attn.qkv_proj") == 2
+    assert (got2.double() - want).abs().max().item() <= 1e-5 * want.abs().max().item()
+    FusedLinear.answer = True
+    fc1(torch.randn(2, CFG.hidden))
+    assert b.fused_calls == 2 and seen[-1][3] == 1
+    n_seen = len(seen)
+    xf = torch.randn(2, CFG.hidden)
+    yf = foreign(xf)
+    assert len(seen) == n_seen and b.fused_calls == 2 and b.count_of("blocks.5.mlp.fc1") == 1
+    tl_f = lora.targets["blocks.5.mlp.fc1"]
+    ref_f = torch.nn.functional.linear(xf, foreign.weight).double() + _ref_delta(tl_f, xf, 0.8)
+    assert (yf.double() - ref_f).abs().max().item() <= 1e-5 * ref_f.abs().max().item()
+    b.eject()

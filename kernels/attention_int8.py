@@ -1,0 +1,587 @@
+"""8-bit attention for H3 on Hopper (issue 9): INT8 Q K^T and FP8 (e4m3) P V in Triton, after the
+SageAttention-2 recipe (Zhang et al., "SageAttention2: Efficient Attention with Thorough Outlier
+Smoothing and Per-thread INT4 Quantization", arXiv:2411.10958; per-block INT8 Q/K with K smoothing,
+FP8 P V with per-channel V scales).
+
+Math, for q, k, v [B, H, L, D] (any strides), ``scale`` (default ``D ** -0.5``), ``log2e = 1/ln 2``:
+
+* K smoothing: ``k' = k - mean_tokens(k)`` per (b, h, channel), in float32 (softmax is invariant to
+  adding ``q . const`` to every score of a row).
+* Q: per block of ``BLOCK_M`` query rows of one head, ``a = max |q|``, ``sq = a / 127``,
+  ``q8 = round_half_away(q * (127 / a))`` (int8, 0 where a = 0); done inside the attention kernel.
+* K: the same on ``k'`` per block of ``BLOCK_N`` keys (``sk``), by the pre-kernel :func:`quantize_kv`.
+* Scores in the exp2 domain: ``s = (q8 . k8) * (sq * scale * log2e) * sk`` with an exact int32 dot.
+* V: optional per-channel mean ``mv`` subtracted (``V_MEAN``; added back at the end since softmax rows
+  sum to 1), then per (b, h, channel) ``sv = max_tokens |v - mv| / 448``,
+  ``v8 = e4m3(clamp((v - mv) * (448 / max), +-448))`` (round to nearest even), stored transposed
+  ([B*H, D, L_pad], the K-major B operand Hopper's FP8 wgmma needs).
+* Online softmax over key blocks with float32 running max ``m`` and sum ``l``:
+  ``p = exp2(s - m_new + log2 448)`` (P scaled by 448 to use e4m3's range), ``l += sum(p)`` (float32,
+  unrounded), ``acc = acc * exp2(m_old - m_new) + e4m3(p) @ v8`` (float32 accumulation).
+* ``out = acc / l * sv + mv``, in q's dtype.
+
+Config keys (:data:`DEFAULT_CONFIG`): ``BLOCK_M``/``BLOCK_N``/``num_warps``/``num_stages`` (launch);
+``PV_FP8=False`` runs P V in bf16 instead (P rounded to bf16, v - mv in bf16). ``MAGIC=True`` converts
+the int32 scores to float with no conversion instruction (I2F shares the 16/clk pipe with exp2): the
+int32 accumulator starts at 0x4B400000 (the bits of 2^23 + 2^22), so its bits read as float are exactly
+``12582912 + q8.k8`` (|q8.k8| <= 127*127*128 < 2^22) and a multiply-add gives the score. ``V_MEAN``
+(default off): on zero-mean v the mean (~1/sqrt(L)) is below one rounding step of v, so rounding
+``v - mv`` is biased by ``mv`` itself and the error grows (measured 2.2 % -> 4.0 % rel. L2 with bf16 P V
+at L = 37 632); it only pays for large channel offsets. ``IMPRECISE``: ``max_num_imprecise_acc`` of the
+fp8 P V dot (None: Triton's Hopper default, accumulate in the wgmma accumulator; a number promotes to
+fp32 every that many keys: measured < 1e-5 cosine gain for 12 % time). ``TMA``: K/V tiles through
+tensor descriptors (bulk tensor copies) instead of per-thread ``cp.async``. ``WS``:
+``tl.range(warp_specialize=True)`` (no effect measured on Hopper with triton 3.6).
+
+Status (H200, benchmarks/results/bench_attention_int8_h200.md): best 0.83x of exact (cuDNN) at
+L = 19 584, 0.75x at 109 000, per-head cosine 0.99905-0.99912 vs float32 attention: issue 9's target
+(<= 0.7x with cos >= 0.999) is NOT met, so the node does not offer this backend.
+
+Under ``TRITON_INTERPRET=1`` (CPU tests) values are rounded to the e4m3/bf16/fp16 grid in fp32 before
+each cast and bf16 dots run in fp32: the interpreter's own casts truncate without mantissa carry and its
+bf16 dot multiplies raw bits. On the GPU the hardware conversions (round to nearest even) are used.
+
+:func:`sage_reference` computes the same quantized math in float64 with torch (block by block, with
+the same running maxima and e4m3 rounding of P) for tests; :class:`Int8SageAttention` is the core
+attention override (the ``int8_sage`` backend) that runs the kernel on supported inputs and hands
+everything else to the ``exact`` override, logging each reason once.
+"""
+from __future__ import annotations
+
+import logging
+import math
+import os
+from typing import Callable, Sequence
+
+import torch
+
+from . import attention as _exact
+
+log = logging.getLogger("h3_turbo")
+
+try:  # Triton is optional: without it every call falls back to ``exact``
+    import triton
+    import triton.language as tl
+    _TRITON_ERROR = None
+except Exception as _e:  # pragma: no cover - depends on the install
+    triton = None
+    tl = None
+    _TRITON_ERROR = f"{type(_e).__name__}: {_e}"
+
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+BACKEND = "int8_sage"
+MAGIC_INT = 0x4B400000          # float bits of 12582912.0 = 2^23 + 2^22
+MAGIC_F = 12582912.0
+LOG2E = 1.4426950408889634
+FP8_MAX = 448.0
+LOG2_FP8_MAX = math.log2(FP8_MAX)
+
+# Default launch configuration (H200-tuned, see benchmarks/results/bench_attention_int8_h200.md).
+DEFAULT_CONFIG = {"BLOCK_M": 64, "BLOCK_N": 128, "num_warps": 4, "num_stages": 3, "MAGIC": True,
+                  "PV_FP8": True, "V_MEAN": False, "WS": False, "IMPRECISE": None,
+                  "TMA": False}
+SUPPORTED_HEAD_DIMS = (64, 128)
+SUPPORTED_DTYPES = (torch.bfloat16, torch.float16)
+
+
+if triton is not None:
+
+    @triton.jit
+    def _round_i8(x, LIM: tl.constexpr):
+        """fp32 -> int8, round half away from zero, clamped to [-LIM, LIM]."""
+        x = tl.minimum(tl.maximum(x, -LIM), LIM)
+        return (x + tl.where(x >= 0, 0.5, -0.5)).to(tl.int8)
+
+    @triton.jit
+    def _rne_e4m3(x):
+        """fp32 (|x| <= 448) -> nearest e4m3 value (ties to even), still fp32. Used before fp8 casts under
+        the interpreter, whose cast truncates and drops mantissa carries; the GPU's cvt.rn.satfinite
+        rounds the same way by itself."""
+        b = x.to(tl.int32, bitcast=True)
+        bn = (b + 0x7FFFF + ((b >> 20) & 1)) & -1048576
+        xs = ((x * 512.0 + 12582912.0) - 12582912.0) * 0.001953125
+        return tl.where(tl.abs(x) < 0.015625, xs, bn.to(tl.float32, bitcast=True))
+
+    @triton.jit
+    def _rne_bf16(x):
+        """fp32 -> nearest bf16 value (ties to even), still fp32 (for the interpreter, as _rne_e4m3)."""
+        b = x.to(tl.int32, bitcast=True)
+        return ((b + 0x7FFF + ((b >> 16) & 1)) & -65536).to(tl.float32, bitcast=True)
+
+    @triton.jit
+    def _rne_f16(x):
+        """fp32 -> nearest fp16 value in fp16's normal range (ties to even), still fp32 (interpreter)."""
+        b = x.to(tl.int32, bitcast=True)
+        return ((b + 0xFFF + ((b >> 13) & 1)) & -8192).to(tl.float32, bitcast=True)
+
+    @triton.jit
+    def _quant_kv_kernel(K, V, KM, VM, VINV, K8, KS, VQ,
+                         skb, skh, skn, skd, svb, svh, svn, svd,
+                         H, N_K, N_KPAD,
+                         HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, PV_FP8: tl.constexpr,
+                         V_MEAN: tl.constexpr, INTERP: tl.constexpr):
+        j = tl.program_id(0)
+        bh = tl.program_id(1)
+        b = bh // H
+        h = bh % H
+        offs_n = j * BLOCK_N + tl.arange(0, BLOCK_N)
+        offs_d = tl.arange(0, HEAD_DIM)
+        valid = (offs_n < N_K)[:, None]
+        nb = N_KPAD // BLOCK_N
+        # ---- K: smooth, per-block int8
+        kp = K + b.to(tl.int64) * skb + h.to(tl.int64) * skh + offs_n[:, None].to(tl.int64) * skn + offs_d[None, :] * skd
+        k = tl.load(kp, mask=valid, other=0.0).to(tl.float32)
+        km = tl.load(KM + bh * HEAD_DIM + offs_d)
+        k = tl.where(valid, k - km[None, :], 0.0)
+        amax = tl.max(tl.max(tl.abs(k), 1), 0)
+        inv = tl.where(amax > 0, 127.0 / amax, 0.0)
+        k8 = _round_i8(k * inv, 127.0)
+        base = bh.to(tl.int64) * N_KPAD * HEAD_DIM
+        tl.store(K8 + base + offs_n[:, None] * HEAD_DIM + offs_d[None, :], k8)
+        tl.store(KS + bh * nb + j, amax / 127.0)
+        # ---- V
+        vp = V + b.to(tl.int64) * svb + h.to(tl.int64) * svh + offs_n[:, None].to(tl.int64) * svn + offs_d[None, :] * svd
+        v = tl.load(vp, mask=valid, other=0.0).to(tl.float32)
+        if V_MEAN:
+            vm = tl.load(VM + bh * HEAD_DIM + offs_d)
+            v = tl.where(valid, v - vm[None, :], 0.0)
+        if PV_FP8:
+            vinv = tl.load(VINV + bh * HEAD_DIM + offs_d)
+            v8 = tl.minimum(tl.maximum(v * vinv[None, :], -448.0), 448.0)
+            if INTERP:
+                v8 = _rne_e4m3(v8)
+            v8 = v8.to(tl.float8e4nv)
+            tl.store(VQ + base + offs_d[None, :] * N_KPAD + offs_n[:, None], v8)      # [D, L_pad]
+        else:
+            if INTERP:
+                v = _rne_bf16(v)
+            tl.store(VQ + base + offs_n[:, None] * HEAD_DIM + offs_d[None, :], v.to(tl.bfloat16))
+
+    @triton.jit
+    def _scores(q8, K8, k_ptrs, k_row, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, MAGIC: tl.constexpr,
+                TMA: tl.constexpr):
+        """int32 scores q8 . k8^T of one key block, as float32: exactly 12582912 + q8.k8 with MAGIC
+        (the accumulator starts at the bits of 1.5 * 2^23), else converted."""
+        if TMA:
+            k = K8.load([k_row, 0])                          # [BLOCK_N, D] int8 (bulk tensor copy)
+        else:
+            k = tl.load(k_ptrs)                              # [BLOCK_N, D] int8
+        if MAGIC:
+            s_init = tl.full([BLOCK_M, BLOCK_N], 0x4B400000, tl.int32)
+            return tl.dot(q8, tl.trans(k), s_init, out_dtype=tl.int32).to(tl.float32, bitcast=True)
+        else:
+            return tl.dot(q8, tl.trans(k)).to(tl.float32)
+
+    @triton.jit
+    def _update(acc, l_i, m_i, x, c, VQ, v_ptrs, v_row, start_n, N_K,
+                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, MASK: tl.constexpr,
+                MAGIC: tl.constexpr, PV_FP8: tl.constexpr, INTERP: tl.constexpr, IMPRECISE: tl.constexpr,
+                TMA: tl.constexpr):
+        """Online-softmax update with the scores ``x`` of one key block (``c``: score scale, exp2 domain)."""
+        if MAGIC:
+            off = -12582912.0 * c
+            if MASK:
+                valid = (start_n + tl.arange(0, BLOCK_N) < N_K)[None, :]
+                x = tl.where(valid, x, 0.0)
+            m_new = tl.maximum(m_i, tl.max(x, 1) * c + off)
+            arg = x * c + (off + 8.807354922057604 - m_new)[:, None]         # log2(448) = 8.807...
+        else:
+            s = x * c
+            if MASK:
+                valid = (start_n + tl.arange(0, BLOCK_N) < N_K)[None, :]
+                s = tl.where(valid, s, -float("inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            arg = s - (m_new - 8.807354922057604)[:, None]
+        if MASK:
+            arg = tl.where(valid, arg, -float("inf"))
+        p = tl.math.exp2(arg)
+        alpha = tl.math.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None]
+        if PV_FP8:
+            if TMA:
+                vt = VQ.load([v_row, start_n])               # [D, BLOCK_N] e4m3
+            else:
+                vt = tl.load(v_ptrs)                         # [D, BLOCK_N] e4m3
+            if INTERP:
+                p = _rne_e4m3(tl.minimum(p, 448.0))
+            acc = tl.dot(p.to(tl.float8e4nv), tl.trans(vt), acc, max_num_imprecise_acc=IMPRECISE)
+        else:
+            if TMA:
+                v = VQ.load([v_row + start_n, 0])            # [BLOCK_N, D] bf16
+            else:
+                v = tl.load(v_ptrs)                          # [BLOCK_N, D] bf16
+            if INTERP:   # the interpreter's bf16 dot multiplies the raw bits: go through fp32
+                acc = tl.dot(_rne_bf16(p), v.to(tl.float32), acc)
+            else:
+                acc = tl.dot(p.to(tl.bfloat16), v, acc)
+        return acc, l_i, m_new
+
+    @triton.jit
+    def _attn_block(acc, l_i, m_i, q8, qc, K8, VQ, k_ptrs, v_ptrs, k_row, v_row, ks_ptr, start_n, N_K,
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, MASK: tl.constexpr,
+                    MAGIC: tl.constexpr, PV_FP8: tl.constexpr, INTERP: tl.constexpr, IMPRECISE: tl.constexpr,
+                    TMA: tl.constexpr):
+        x = _scores(q8, K8, k_ptrs, k_row + start_n, BLOCK_M, BLOCK_N, MAGIC, TMA)
+        return _update(acc, l_i, m_i, x, qc * tl.load(ks_ptr), VQ, v_ptrs, v_row, start_n, N_K,
+                       BLOCK_M, BLOCK_N, MASK, MAGIC, PV_FP8, INTERP, IMPRECISE, TMA)
+
+    @triton.jit
+    def _attn_fwd_kernel(Q, K8, KS, VQ, VS, VM, OUT,
+                         sqb, sqh, sqm, sqd, sob, soh, som, sod,
+                         H, N_Q, N_K, N_KPAD, qk_scale,
+                         HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                         MAGIC: tl.constexpr, PV_FP8: tl.constexpr, V_MEAN: tl.constexpr, WS: tl.constexpr,
+                         INTERP: tl.constexpr, IMPRECISE: tl.constexpr, TMA: tl.constexpr):
+        pid_m = tl.program_id(0)
+        bh = tl.program_id(1)
+        b = bh // H
+        h = bh % H
+        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        offs_d = tl.arange(0, HEAD_DIM)
+        offs_n = tl.arange(0, BLOCK_N)
+        # ---- Q: load (strided), per-block int8 with sm_scale*log2e folded into its scale
+        qp = Q + b.to(tl.int64) * sqb + h.to(tl.int64) * sqh + offs_m[:, None].to(tl.int64) * sqm + offs_d[None, :] * sqd
+        q = tl.load(qp, mask=(offs_m < N_Q)[:, None], other=0.0).to(tl.float32)
+        amax = tl.max(tl.max(tl.abs(q), 1), 0)
+        inv = tl.where(amax > 0, 127.0 / amax, 0.0)
+        q8 = _round_i8(q * inv, 127.0)
+        qc = (amax / 127.0) * qk_scale
+        m_i = tl.zeros([BLOCK_M], dtype=tl.float32) - float("inf")
+        l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+        k_row = bh * N_KPAD                                  # TMA coordinates (rows of the 2-D views)
+        v_row = bh * HEAD_DIM if PV_FP8 else bh * N_KPAD
+        if TMA:
+            k_ptrs = 0
+            v_ptrs = 0
+            v_step = 0
+        else:
+            base = bh.to(tl.int64) * N_KPAD * HEAD_DIM
+            k_ptrs = K8 + base + offs_n[:, None] * HEAD_DIM + offs_d[None, :]
+            if PV_FP8:
+                v_ptrs = VQ + base + offs_d[:, None] * N_KPAD + offs_n[None, :]
+                v_step = BLOCK_N
+            else:
+                v_ptrs = VQ + base + offs_n[:, None] * HEAD_DIM + offs_d[None, :]
+                v_step = BLOCK_N * HEAD_DIM
+        ks_ptr = KS + bh * (N_KPAD // BLOCK_N)
+        n_full = N_K // BLOCK_N
+        if WS:
+            for j in tl.range(0, n_full, warp_specialize=True):
+                acc, l_i, m_i = _attn_block(acc, l_i, m_i, q8, qc, K8, VQ, k_ptrs + j * (BLOCK_N * HEAD_DIM),
+                                            v_ptrs + j * v_step, k_row, v_row, ks_ptr + j, j * BLOCK_N, N_K,
+                                            BLOCK_M, BLOCK_N, False, MAGIC, PV_FP8, INTERP, IMPRECISE, TMA)
+        else:
+            for j in range(0, n_full):
+                acc, l_i, m_i = _attn_block(acc, l_i, m_i, q8, qc, K8, VQ, k_ptrs + j * (BLOCK_N * HEAD_DIM),
+                                            v_ptrs + j * v_step, k_row, v_row, ks_ptr + j, j * BLOCK_N, N_K,
+                                            BLOCK_M, BLOCK_N, False, MAGIC, PV_FP8, INTERP, IMPRECISE, TMA)
+        if n_full * BLOCK_N < N_K:                           # ragged last key block (zero-padded buffers)
+            acc, l_i, m_i = _attn_block(acc, l_i, m_i, q8, qc, K8, VQ, k_ptrs + n_full * (BLOCK_N * HEAD_DIM),
+                                        v_ptrs + n_full * v_step, k_row, v_row, ks_ptr + n_full, n_full * BLOCK_N,
+                                        N_K, BLOCK_M, BLOCK_N, True, MAGIC, PV_FP8, INTERP, IMPRECISE, TMA)
+        # ---- epilogue
+        out = acc / l_i[:, None]
+        if PV_FP8:
+            vs = tl.load(VS + bh * HEAD_DIM + offs_d)
+            out = out * vs[None, :]
+        if V_MEAN:
+            vm = tl.load(VM + bh * HEAD_DIM + offs_d)
+            out = out + vm[None, :]
+        if INTERP:
+            if OUT.dtype.element_ty == tl.bfloat16:
+                out = _rne_bf16(out)
+            else:
+                out = _rne_f16(out)
+        op = OUT + b.to(tl.int64) * sob + h.to(tl.int64) * soh + offs_m[:, None].to(tl.int64) * som + offs_d[None, :] * sod
+        tl.store(op, out.to(OUT.dtype.element_ty), mask=(offs_m < N_Q)[:, None])
+
+
+def _cfg(config: dict | None) -> dict:
+    c = dict(DEFAULT_CONFIG)
+    if config:
+        unknown = set(config) - set(c)
+        if unknown:
+            raise ValueError(f"attention_int8: unknown config keys {sorted(unknown)}; expected {sorted(c)}")
+        c.update(config)
+    return c
+
+
+def kv_stats(k: torch.Tensor, v: torch.Tensor, v_mean: bool = True, pv_fp8: bool = True):
+    """Per-(b, h, channel) statistics over all tokens, float32 [B*H, D] each:
+    ``km`` (mean of k), ``vm`` (mean of v, zeros if not ``v_mean``), ``vs`` (V dequant scale
+    ``max|v - vm| / 448``) and ``vinv`` (``448 / max|v - vm|``, 0 where the max is 0). k, v: [B, H, L, D]."""
+    B, H, _, D = k.shape
+    km = torch.mean(k, dim=2, dtype=torch.float32).reshape(B * H, D)
+    if v_mean:
+        vm = torch.mean(v, dim=2, dtype=torch.float32).reshape(B * H, D)
+    else:
+        vm = torch.zeros(B * H, D, device=v.device, dtype=torch.float32)
+    if pv_fp8:
+        vmin, vmax = torch.aminmax(v, dim=2)
+        amax = torch.maximum(vmax.reshape(B * H, D).float() - vm, vm - vmin.reshape(B * H, D).float())
+        vs = amax / FP8_MAX
+        vinv = torch.where(amax > 0, FP8_MAX / amax, torch.zeros_like(amax))
+    else:
+        vs = torch.ones(B * H, D, device=v.device, dtype=torch.float32)
+        vinv = vs
+    return km.contiguous(), vm.contiguous(), vs.contiguous(), vinv.contiguous()
+
+
+def quantize_kv(k: torch.Tensor, v: torch.Tensor, config: dict | None = None):
+    """Pre-kernel: k, v [B, H, L, D] (bf16/fp16, any strides) -> dict with ``k8`` int8 [B*H, L_pad, D]
+    (smoothed, per-block of BLOCK_N keys), ``ks`` float32 [B*H, L_pad/BLOCK_N], ``vq`` (e4m3
+    [B*H, D, L_pad] if PV_FP8 else bf16 [B*H, L_pad, D]), ``km``/``vm``/``vs``/``vinv`` float32 [B*H, D],
+    ``n_kpad`` = L rounded up to BLOCK_N. Rows past L are written as zeros."""
+    c = _cfg(config)
+    B, H, L, D = k.shape
+    bn = c["BLOCK_N"]
+    npad = triton.cdiv(L, bn) * bn
+    km, vm, vs, vinv = kv_stats(k, v, c["V_MEAN"], c["PV_FP8"])
+    k8 = torch.empty(B * H, npad, D, device=k.device, dtype=torch.int8)
+    ks = torch.empty(B * H, npad // bn, device=k.device, dtype=torch.float32)
+    if c["PV_FP8"]:
+        vq = torch.empty(B * H, D, npad, device=k.device, dtype=torch.float8_e4m3fn)
+    else:
+        vq = torch.empty(B * H, npad, D, device=k.device, dtype=torch.bfloat16)
+    _quant_kv_kernel[(npad // bn, B * H)](
+        k, v, km, vm, vinv, k8, ks, vq,
+        *k.stride(), *v.stride(), H, L, npad,
+        HEAD_DIM=D, BLOCK_N=bn, PV_FP8=c["PV_FP8"], V_MEAN=c["V_MEAN"], INTERP=INTERPRET, num_warps=4)
+    return {"k8": k8, "ks": ks, "vq": vq, "km": km, "vm": vm, "vs": vs, "vinv": vinv, "n_kpad": npad}
+
+
+def sage_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None,
+                   out_layout: str = "bhld", config: dict | None = None, out: torch.Tensor | None = None):
+    """8-bit attention softmax(q k^T * scale) v (see module docstring for the quantized math).
+
+    q [B, H, Lq, D], k/v [B, H, Lk, D]: bf16 or fp16, one device, any strides, D in (64, 128).
+    ``out_layout``: ``"bhld"`` -> returns [B, H, Lq, D] contiguous; ``"blhd"`` -> returns [B, Lq, H*D]
+    (core's ``skip_output_reshape=False`` layout, written directly). ``out``: optional preallocated
+    output of that shape (every element is written). Raises ValueError on unsupported inputs.
+    """
+    if triton is None:
+        raise RuntimeError(f"attention_int8: triton unavailable ({_TRITON_ERROR})")
+    c = _cfg(config)
+    if q.ndim != 4 or k.ndim != 4 or v.ndim != 4:
+        raise ValueError(f"attention_int8: q, k, v must be 4-D [B, H, L, D], got {tuple(q.shape)}, "
+                         f"{tuple(k.shape)}, {tuple(v.shape)}")
+    B, H, Lq, D = q.shape
+    if k.shape[:2] != (B, H) or v.shape != k.shape or k.shape[-1] != D:
+        raise ValueError(f"attention_int8: shapes q {tuple(q.shape)} k {tuple(k.shape)} v {tuple(v.shape)} "
+                         "do not match [B, H, L, D]")
+    if D not in SUPPORTED_HEAD_DIMS:
+        raise ValueError(f"attention_int8: head dim {D} not in {SUPPORTED_HEAD_DIMS}")
+    if not (q.dtype == k.dtype == v.dtype and q.dtype in SUPPORTED_DTYPES):
+        raise ValueError(f"attention_int8: dtypes {q.dtype}, {k.dtype}, {v.dtype}; expected one of {SUPPORTED_DTYPES}")
+    Lk = k.shape[2]
+    if Lq < 1 or Lk < 1:
+        raise ValueError("attention_int8: empty sequence")
+    sm = (D ** -0.5) if scale is None else float(scale)
+    kv = quantize_kv(k, v, c)
+    if out_layout == "bhld":
+        shape = (B, H, Lq, D)
+    elif out_layout == "blhd":
+        shape = (B, Lq, H * D)
+    else:
+        raise ValueError(f"attention_int8: out_layout {out_layout!r} not in ('bhld', 'blhd')")
+    if out is None:
+        out = torch.empty(shape, device=q.device, dtype=q.dtype)
+    elif tuple(out.shape) != shape or out.dtype != q.dtype or not out.is_contiguous():
+        raise ValueError(f"attention_int8: out must be contiguous {shape} {q.dtype}")
+    if out_layout == "bhld":
+        so = out.stride()
+    else:
+        so = (out.stride(0), D, out.stride(1), 1)
+    grid = (triton.cdiv(Lq, c["BLOCK_M"]), B * H)
+    k8, vq = kv["k8"], kv["vq"]
+    if c["TMA"]:
+        from triton.tools.tensor_descriptor import TensorDescriptor
+
+        bn, npad = c["BLOCK_N"], kv["n_kpad"]
+        k8 = TensorDescriptor(k8.view(B * H * npad, D), [B * H * npad, D], [D, 1], [bn, D])
+        if c["PV_FP8"]:
+            vq = TensorDescriptor(vq.view(B * H * D, npad), [B * H * D, npad], [npad, 1], [D, bn])
+        else:
+            vq = TensorDescriptor(vq.view(B * H * npad, D), [B * H * npad, D], [D, 1], [bn, D])
+    _attn_fwd_kernel[grid](
+        q, k8, kv["ks"], vq, kv["vs"], kv["vm"], out,
+        *q.stride(), *so, H, Lq, Lk, kv["n_kpad"], sm * LOG2E,
+        HEAD_DIM=D, BLOCK_M=c["BLOCK_M"], BLOCK_N=c["BLOCK_N"], MAGIC=c["MAGIC"], PV_FP8=c["PV_FP8"],
+        V_MEAN=c["V_MEAN"], WS=c["WS"], INTERP=INTERPRET, IMPRECISE=None if c["IMPRECISE"] is None else min(c["IMPRECISE"], c["BLOCK_N"]),
+        TMA=c["TMA"], num_warps=c["num_warps"], num_stages=c["num_stages"])
+    return out
+
+
+# ------------------------------------------------------------------------------ torch reference
+
+def _round_half_away(x: torch.Tensor, lim: float) -> torch.Tensor:
+    x = x.clamp(-lim, lim)
+    return torch.trunc(x + torch.where(x >= 0, 0.5, -0.5))
+
+
+def _block_quant(x: torch.Tensor, block: int):
+    """x float32 [G, L, D] -> (int values as float32 [G, L, D], scale [G, ceil(L/block)]) with one
+    max|x| per block of rows, exactly as the kernels (float32 ops in the same order)."""
+    G, L, D = x.shape
+    nb = -(-L // block)
+    xp = torch.zeros(G, nb * block, D, dtype=torch.float32, device=x.device)
+    xp[:, :L] = x
+    xb = xp.view(G, nb, block * D)
+    amax = xb.abs().amax(-1)                                           # [G, nb]
+    inv = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
+    q = _round_half_away(xb * inv[..., None], 127.0).view(G, nb * block, D)[:, :L]
+    return q, amax / 127.0
+
+
+def quantize_reference(q, k, v, config: dict | None = None):
+    """torch-only quantization of the kernels (float32, same formulas): dict with ``q8`` [G, Lq, D]
+    (int values as float32), ``qs`` [G, nbq], ``k8`` [G, Lk, D], ``ks`` [G, nbk], ``v8`` [G, Lk, D]
+    (e4m3 values as float32, or bf16 values of v - vm when not PV_FP8), ``km``, ``vm``, ``vs``,
+    ``vinv`` [G, D]; G = B*H."""
+    c = _cfg(config)
+    B, H, Lq, D = q.shape
+    Lk = k.shape[2]
+    km, vm, vs, vinv = kv_stats(k, v, c["V_MEAN"], c["PV_FP8"])
+    qf = q.float().reshape(B * H, Lq, D)
+    kf = k.float().reshape(B * H, Lk, D) - km[:, None, :]
+    q8, qs = _block_quant(qf, c["BLOCK_M"])
+    k8, ks = _block_quant(kf, c["BLOCK_N"])
+    vf = v.float().reshape(B * H, Lk, D)
+    if c["V_MEAN"]:
+        vf = vf - vm[:, None, :]
+    if c["PV_FP8"]:
+        v8 = (vf * vinv[:, None, :]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).float()
+    else:
+        v8 = vf.to(torch.bfloat16).float()
+    return {"q8": q8, "qs": qs, "k8": k8, "ks": ks, "v8": v8, "km": km, "vm": vm, "vs": vs, "vinv": vinv}
+
+
+def sage_reference(q, k, v, scale: float | None = None, config: dict | None = None, rows=None,
+                   quant: dict | None = None) -> torch.Tensor:
+    """float64 model of the kernel's math (module docstring), key block by key block with the same
+    running maxima, P * 448 rounded to e4m3 (or bf16) before P V, float64 everywhere else.
+    q, k, v [B, H, L, D]; ``rows``: optional index tensor of query rows (default all).
+    Returns float64 [B*H, r, D]."""
+    c = _cfg(config)
+    B, H, Lq, D = q.shape
+    Lk = k.shape[2]
+    sm = (D ** -0.5) if scale is None else float(scale)
+    qz = quant if quant is not None else quantize_reference(q, k, v, c)
+    rows = torch.arange(Lq, device=q.device) if rows is None else rows
+    bm, bn = c["BLOCK_M"], c["BLOCK_N"]
+    q8 = qz["q8"][:, rows].double()                                     # [G, r, D]
+    qc = qz["qs"][:, rows // bm].double() * sm * LOG2E                  # [G, r]
+    G, r = qc.shape
+    m = torch.full((G, r), -math.inf, dtype=torch.float64, device=q.device)
+    l = torch.zeros((G, r), dtype=torch.float64, device=q.device)
+    acc = torch.zeros((G, r, D), dtype=torch.float64, device=q.device)
+    for j in range(-(-Lk // bn)):
+        k8 = qz["k8"][:, j * bn:(j + 1) * bn].double()
+        s = (q8 @ k8.transpose(1, 2)) * (qc * qz["ks"][:, j].double()[:, None])[..., None]
+        m_new = torch.maximum(m, s.amax(-1))
+        p = torch.exp2(s - m_new[..., None] + LOG2_FP8_MAX)
+        alpha = torch.exp2(m - m_new)
+        l = l * alpha + p.sum(-1)
+        if c["PV_FP8"]:
+            p8 = p.float().clamp(max=FP8_MAX).to(torch.float8_e4m3fn).double()
+        else:
+            p8 = p.float().to(torch.bfloat16).double()
+        acc = acc * alpha[..., None] + p8 @ qz["v8"][:, j * bn:(j + 1) * bn].double()
+        m = m_new
+    out = acc / l[..., None]
+    if c["PV_FP8"]:
+        out = out * qz["vs"].double()[:, None, :]
+    return out + qz["vm"].double()[:, None, :]
+
+
+# ------------------------------------------------------------------------------ override
+
+class Int8SageAttention:
+    """Core attention override ``override(func, q, k, v, heads, **kwargs)`` (see
+    :class:`kernels.attention.ExactAttention` for the contract) running :func:`sage_attention`.
+
+    Handled: q/k/v on a device type in ``devices`` (default ``("cuda",)``), one dtype in bf16/fp16,
+    head dim 64 or 128, no mask, no GQA, ``skip_reshape`` 4-D [B, heads, L, D] or 3-D [B, L, heads*D]
+    inputs, Triton importable. Output as core's: [B, Lq, heads*D] (``skip_output_reshape=False``,
+    written directly by the kernel) or [B, heads, Lq, D]. Everything else goes to ``fallback`` (default:
+    the process-wide ``exact`` override), with one INFO log line per reason; so does a CUDA GPU without
+    FP8 tensor cores (compute capability < 8.9, fp8 P V) and a call whose kernel raises (build failure).
+    ``calls``/``fallbacks``:
+    counters. ``config``: launch configuration (default :data:`DEFAULT_CONFIG`).
+    """
+
+    backend = BACKEND
+
+    def __init__(self, fallback: Callable | None = None, devices: Sequence[str] = ("cuda",),
+                 config: dict | None = None):
+        self.fallback = fallback if fallback is not None else _exact.exact_override()
+        self.devices = tuple(devices)
+        self.config = _cfg(config)
+        self.calls = 0
+        self.fallbacks = 0
+
+    def _fall(self, reason: str, func, args, kwargs):
+        _exact._log_once(("int8_sage", reason), logging.INFO,
+                         "H3 Turbo attention 'int8_sage': %s -> exact attention", reason)
+        self.fallbacks += 1
+        return self.fallback(func, *args, **kwargs)
+
+    def __call__(self, func: Callable, *args, **kwargs):
+        if triton is None:
+            return self._fall(f"triton unavailable ({_TRITON_ERROR})", func, args, kwargs)
+        if len(args) < 4 or len(args) > 5:
+            return self._fall("non-standard call signature", func, args, kwargs)
+        q, k, v, heads = args[:4]
+        mask = args[4] if len(args) > 4 else kwargs.get("mask")
+        if not all(isinstance(t, torch.Tensor) for t in (q, k, v)):
+            return self._fall("inputs are not tensors", func, args, kwargs)
+        if q.device.type not in self.devices:
+            return self._fall(f"device type {q.device.type!r}", func, args, kwargs)
+        if mask is not None:
+            return self._fall("attention mask given", func, args, kwargs)
+        if kwargs.get("enable_gqa", False):
+            return self._fall("grouped-query attention", func, args, kwargs)
+        if not (q.dtype == k.dtype == v.dtype and q.device == k.device == v.device):
+            return self._fall("q/k/v dtype or device differ", func, args, kwargs)
+        if q.dtype not in SUPPORTED_DTYPES:
+            return self._fall(f"dtype {q.dtype} (8-bit kernel takes bf16/fp16)", func, args, kwargs)
+        heads = int(heads)
+        if kwargs.get("skip_reshape", False):
+            if q.ndim != 4 or k.ndim != 4 or v.ndim != 4:
+                return self._fall("skip_reshape inputs are not 4-D", func, args, kwargs)
+            q4, k4, v4 = q, k, v
+        else:
+            if q.ndim != 3 or k.ndim != 3 or v.ndim != 3 or q.shape[-1] % heads or k.shape[-1] != q.shape[-1] \
+                    or v.shape[-1] != q.shape[-1]:
+                return self._fall("inputs are not [B, L, heads*D]", func, args, kwargs)
+            dh = q.shape[-1] // heads
+            q4, k4, v4 = (t.reshape(t.shape[0], t.shape[1], heads, dh).transpose(1, 2) for t in (q, k, v))
+        B, H, Lq, D = q4.shape
+        if D not in SUPPORTED_HEAD_DIMS:
+            return self._fall(f"head dim {D} (8-bit kernel takes {SUPPORTED_HEAD_DIMS})", func, args, kwargs)
+        if k4.shape[:2] != (B, H) or v4.shape != k4.shape or k4.shape[-1] != D or Lq < 1 or k4.shape[2] < 1:
+            return self._fall("q/k/v shapes differ (cross-shape or GQA layout)", func, args, kwargs)
+        if q.device.type == "cuda" and self.config["PV_FP8"] and torch.cuda.get_device_capability(q.device) < (8, 9):
+            cap = "%d.%d" % torch.cuda.get_device_capability(q.device)
+            return self._fall(f"GPU compute capability {cap} has no FP8 tensor cores", func, args, kwargs)
+        layout = "bhld" if kwargs.get("skip_output_reshape", False) else "blhd"
+        try:
+            out = sage_attention(q4, k4, v4, scale=kwargs.get("scale", None), out_layout=layout, config=self.config)
+        except Exception as e:   # e.g. a Triton build failure on this GPU/driver: say so once, run exact
+            return self._fall(f"8-bit kernel failed ({type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''})",
+                              func, args, kwargs)
+        self.calls += 1
+        return out
+
+
+_INT8: Int8SageAttention | None = None
+
+
+def int8_override() -> Int8SageAttention:
+    """The process-wide ``int8_sage`` override (falls back to :func:`kernels.attention.exact_override`)."""
+    global _INT8
+    if _INT8 is None:
+        _INT8 = Int8SageAttention()
+    return _INT8

@@ -35,7 +35,9 @@ tensor descriptors (bulk tensor copies) instead of per-thread ``cp.async``. ``WS
 
 Status (H200, benchmarks/results/bench_attention_int8_h200.md): best 0.83x of exact (cuDNN) at
 L = 19 584, 0.75x at 109 000, per-head cosine 0.99905-0.99912 vs float32 attention: issue 9's target
-(<= 0.7x with cos >= 0.999) is NOT met, so the node does not offer this backend.
+(<= 0.7x with cos >= 0.999) is NOT met. It is still 1.2x faster than ``exact`` at the same accuracy class as
+SageAttention 2, so ``H3TurboAttention`` offers it as the explicit, approximate ``int8_sage`` backend
+(``auto`` stays ``exact``).
 
 Under ``TRITON_INTERPRET=1`` (CPU tests) values are rounded to the e4m3/bf16/fp16 grid in fp32 before
 each cast and bf16 dots run in fp32: the interpreter's own casts truncate without mantissa carry and its

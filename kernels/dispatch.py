@@ -292,21 +292,35 @@ def prepare(packed: PackedNVFP4, path: str):
         w8 = torch.zeros((npad, k), dtype=torch.float8_e4m3fn, device=dev)
         sw = torch.ones((npad,), dtype=torch.float32, device=dev)
         amax_w = torch.zeros((n,), dtype=torch.float32, device=dev)
-        qs, _ = ref.split_pack(packed.qdata, n, k)
-        sc = ref.plain_scales(packed.block_scale, packed.qdata, n, k)
-        gs = gs.to(dev)
-        step = 4096
-        for r0 in range(0, n, step):
-            r1 = min(n, r0 + step)
-            if dev.type == "cuda" and _has_triton():
-                from . import triton_nvfp4 as tk
-                wf = tk.dequant(qs[r0:r1], sc[r0:r1], gs, r1 - r0, k, out_dtype=torch.float32)
-            else:
-                wf = ref.dequant_split(qs[r0:r1], sc[r0:r1], gs, r1 - r0, k, torch.float32)
-            w8[r0:r1], sw[r0:r1] = ref.fp8_rowwise_from_weight(wf)
-            amax_w[r0:r1] = wf.abs().amax(dim=1)
+        _fp8_base_into(packed, w8, sw, amax_w)
         return PreparedFP8(w8, sw.reshape(1, npad), n, k, packed, amax_w)
     raise ValueError(f"prepare: unknown path {path!r} (expected one of exact, fp8, reference, blackwell_fp4)")
+
+
+def _fp8_base_into(packed: PackedNVFP4, w8: torch.Tensor, sw: torch.Tensor, amax_w: torch.Tensor | None,
+                   step: int = 4096) -> None:
+    """The fp8 path's base weight, written into w8 [>=N, K] e4m3 / sw [>=N] fp32 (and amax_w [N]): per chunk of
+    ``step`` rows (a multiple of 128, so the swizzled block scales slice by rows), the exact fp32 dequant
+    (Triton ``fold_weight`` on CUDA, ``nvfp4_ref.dequant_exact`` elsewhere: the same fp32 values) re-expressed
+    by ``nvfp4_ref.fp8_rowwise_from_weight`` (torch). :func:`prepare` and the restore after a Turbo fold
+    (:func:`_fp8_set_state`) both call this, so the restored base is the prepared one bit for bit."""
+    n, k = packed.out_features, packed.in_features
+    dev = packed.qdata.device
+    gs = packed.global_scale.detach().float().reshape(1).to(dev)
+    use_triton = dev.type == "cuda" and _has_triton()
+    for r0 in range(0, n, step):
+        r1 = min(n, r0 + step)
+        q = packed.qdata[r0:r1]
+        bs = packed.block_scale[r0:r0 + ref.fmt.roundup(r1 - r0, 128)]
+        if use_triton:
+            from . import triton_nvfp4 as tk
+            wf = torch.empty((r1 - r0, k), device=dev, dtype=torch.float32)
+            tk.fold_weight(q, bs, gs, r1 - r0, k, wf)
+        else:
+            wf = ref.dequant_exact(q, bs, gs, r1 - r0, k, torch.float32)
+        w8[r0:r1], sw[r0:r1] = ref.fp8_rowwise_from_weight(wf)
+        if amax_w is not None:
+            amax_w[r0:r1] = wf.abs().amax(dim=1)
 
 
 # --------------------------------------------------------------------------- linear
@@ -333,7 +347,8 @@ def _exact_tiled(x2d, p: PreparedExact, lora: tuple | None = None) -> torch.Tens
     writing column slices of the output.
 
     lora: optional (A [blocks*r, K], Bc [N, r], scale, rows per block NB): each transient bf16 tile gets
-    the rank-r update ``tile += scale * Bc[rows] @ A[block]`` (cuBLAS, fp32 accumulation, one rounding)
+    the rank-r update ``tile += scale * Bc[rows] @ A[block]`` (cuBLAS addmm_, fp32 accumulation; the tile is
+    already the rounded bf16 weight, so W + update is rounded twice, unlike ``_exact_full``'s fold)
     before its GEMM, so the LoRA costs a [t, r] x [r, K] product per tile and no pass over activations
     or outputs. The NVFP4 storage is never modified (this is not core's requantizing merge)."""
     from . import triton_nvfp4 as tk
@@ -439,16 +454,18 @@ def _fp8_fold(x2d: torch.Tensor, p: PreparedFP8, lora: tuple) -> torch.Tensor:
 def _fp8_set_state(p: PreparedFP8, key, lora: tuple | None) -> None:
     """Make ``p.w8``/``p.sw`` hold the base weight (key None) or W + scale * Bc @ A (the ``lora`` tuple of
     :func:`triton_nvfp4.fold_weight`), re-derived in place from the packed NVFP4 storage when ``p.state`` differs.
-    The base is re-derived with prepare's formula (e4m3(W * 448/amax), scale amax/448): bit-identical to the
-    weight :func:`prepare` made."""
+    The base is re-derived by the function :func:`prepare` used (:func:`_fp8_base_into`): bit-identical."""
     if p.state == key:
         return
-    from . import triton_nvfp4 as tk
     pk = p.packed
     n, k = p.out_features, p.in_features
     p.state = _INVALID   # a failure below must not leave a half-written weight marked valid
-    tk.fold_weight(pk.qdata, pk.block_scale, pk.global_scale.float().reshape(1), n, k, p.w8,
-                   lora=lora if key is not None else None, amax_w=p.amax_w, scale_out=p.sw.view(-1))
+    if key is None:
+        _fp8_base_into(pk, p.w8, p.sw.view(-1), None)
+    else:
+        from . import triton_nvfp4 as tk
+        tk.fold_weight(pk.qdata, pk.block_scale, pk.global_scale.float().reshape(1), n, k, p.w8,
+                       lora=lora, amax_w=p.amax_w, scale_out=p.sw.view(-1))
     p.state = key
     p.refolds += 1
 
@@ -521,6 +538,8 @@ def linear(x: torch.Tensor, prepared, path: str, bias: torch.Tensor | None = Non
 
 
 def _lora_blocks(A, B, n, qkv_blocks):
+    if A.dim() != 2 or B.dim() != 2:
+        raise ValueError(f"LoRA A {tuple(A.shape)} and B {tuple(B.shape)} must both be 2-D ([R, K] and [N, R])")
     if qkv_blocks not in (1, 3):
         raise ValueError(f"qkv_blocks must be 1 or 3, got {qkv_blocks}")
     rt = A.shape[0]
@@ -550,8 +569,9 @@ def linear_with_lora(x: torch.Tensor, prepared, path: str, A: torch.Tensor, B: t
     How (source of the formula: research/lightx2v-h3.md §1.1; the branch sees x itself, never a smoothed x):
 
     - exact, M <= FUSED_MAX_M: fused Triton dequant-GEMM, h = A(x) in x.dtype, B product added in the epilogue.
-    - exact, larger M ("full"): weight-side fold W' = W + scale * Bc @ A[blk] (fp32, one rounding to bf16)
-      into the reused buffer, one cuBLAS GEMM (``LORA_FOLD``); "tiled": the same fold per row tile.
+    - exact, M >= FULL_LORA_MIN_M ("full"): weight-side fold W' = W + scale * Bc @ A[blk] (fp32, one rounding
+      to bf16) into the reused buffer, one cuBLAS GEMM (``LORA_FOLD``); below that ("tiled"): the update added
+      to each rounded bf16 weight tile (two roundings of W').
     - fp8 with ``fold_key`` (the runtime branch passes one per adapter target and strength): the fold quantized
       per row to e4m3 is kept in the layer's one fp8 weight slot until another key (or the base) is needed, so
       the branch costs nothing per call and one fold per layer on an adapter switch (``_fp8_set_state``).

@@ -422,25 +422,48 @@ def fold_weight(qdata: torch.Tensor, block_scale: torch.Tensor, gs: torch.Tensor
     |scale| * sum_r |Bc[n, r]| * amax_a[r] of max |W'[n]| (no clipping), and scale_out[n] = bound[n] / 448.
     Rows >= n of ``out`` are not written. Raises ValueError for a bad ``out`` or an NB no row tile divides.
     """
-    if out.shape[0] < n or out.shape[1] != k or out.stride(1) != 1:
+    if n < 1 or k < 16 or k % 16:
+        raise ValueError(f"fold_weight: need n >= 1 and k a positive multiple of 16, got n={n}, k={k}")
+    if qdata.dtype != torch.uint8 or qdata.dim() != 2 or qdata.shape[0] < n or qdata.shape[1] * 2 < k:
+        raise ValueError(f"fold_weight: qdata {qdata.dtype} {tuple(qdata.shape)} does not hold a [{n}, {k}] NVFP4 "
+                         f"weight (expected uint8 [>={n}, >={k // 2}])")
+    if block_scale.dtype not in (torch.float8_e4m3fn, torch.uint8) or block_scale.dim() != 2:
+        raise ValueError(f"fold_weight: block_scale must be a 2-D e4m3/uint8 tensor, got {block_scale.dtype} "
+                         f"{tuple(block_scale.shape)}")
+    want_cols = -(-(qdata.shape[1] * 2 // 16) // 4) * 4
+    if block_scale.shape[1] != want_cols or block_scale.shape[0] % 128 or block_scale.shape[0] < -(-n // 128) * 128:
+        raise ValueError(f"fold_weight: block_scale {tuple(block_scale.shape)} is not the swizzled layout of these "
+                         f"codes (expected [>= {-(-n // 128) * 128} rows, multiple of 128, {want_cols} columns])")
+    if gs.numel() != 1 or gs.dtype != torch.float32:
+        raise ValueError(f"fold_weight: gs (weight_scale_2) must be one fp32 value, got {gs.dtype} {tuple(gs.shape)}")
+    if out.dtype not in (torch.bfloat16, torch.float16, torch.float32, torch.float8_e4m3fn):
+        raise ValueError(f"fold_weight: out dtype {out.dtype} is not bf16, fp16, fp32 or float8_e4m3fn")
+    if out.dim() != 2 or out.shape[0] < n or out.shape[1] != k or out.stride(1) != 1:
         raise ValueError(f"fold_weight: out {tuple(out.shape)} cannot hold a [{n}, {k}] weight (unit column stride)")
     fp8 = out.dtype == torch.float8_e4m3fn
-    if fp8 and (amax_w is None or scale_out is None or amax_w.numel() < n or scale_out.numel() < n):
-        raise ValueError("fold_weight: an e4m3 output needs amax_w [n] and scale_out [n]")
+    if fp8 and (amax_w is None or scale_out is None or amax_w.numel() < n or scale_out.numel() < n
+                or amax_w.dtype != torch.float32 or scale_out.dtype != torch.float32):
+        raise ValueError("fold_weight: an e4m3 output needs fp32 amax_w [n] and fp32 scale_out [n]")
     bsu = block_scale.view(torch.uint8) if block_scale.dtype != torch.uint8 else block_scale
     ncb4 = bsu.shape[1] // 4
     amax_a = None
     if lora is not None:
         a, bc, lscale, nb = lora[:4]
         amax_a = lora[4] if len(lora) > 4 else None
+        if not isinstance(nb, int) or nb < 1:
+            raise ValueError(f"fold_weight: LoRA block rows must be a positive int, got {nb!r}")
         bn = fold_bn(nb)
         if bn is None:
             raise ValueError(f"fold_weight: LoRA block rows {nb} are not a multiple of 16")
+        if bc.dim() != 2:
+            raise ValueError(f"fold_weight: LoRA Bc must be 2-D [n, r], got {tuple(bc.shape)}")
         r = bc.shape[1]
         blocks = -(-n // nb)
-        if a.dim() != 2 or a.shape[1] != k or a.shape[0] < blocks * r or bc.dim() != 2 or bc.shape[0] < n:
+        if (a.dim() != 2 or a.shape[1] != k or a.shape[0] != blocks * r or bc.shape[0] != n
+                or (amax_a is not None and (amax_a.numel() != blocks * r or amax_a.dtype != torch.float32))):
             raise ValueError(f"fold_weight: LoRA A {tuple(a.shape)} / Bc {tuple(bc.shape)} do not fit a [{n}, {k}] "
-                             f"weight with {blocks} block(s) of {nb} rows (expected A [{blocks}*r, {k}], Bc [{n}, r])")
+                             f"weight with {blocks} block(s) of {nb} rows (expected A [{blocks}*r, {k}], Bc [{n}, r], "
+                             f"amax_a fp32 [{blocks}*r])")
         if a.stride(1) != 1:
             a = a.contiguous()
         if fp8 and amax_a is None:

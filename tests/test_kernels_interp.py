@@ -289,3 +289,66 @@ def test_fp8_folded_weight_slot_switches_and_restores_base_bit_identically(tk):
     assert p8.state is dsp._INVALID
     dsp.linear(x, p8, "fp8")
     assert p8.state is None and torch.equal(p8.w8.view(torch.uint8), w8_0.view(torch.uint8))
+
+
+@pytest.mark.parametrize("seed", range(24))
+def test_fp8_base_restored_bit_identically_over_seeds(tk, seed):
+    """After any fold, the base e4m3 weight and its row scales come back bit for bit: the restore runs the very
+    function prepare() used. (Seeds with e4m3 rounding ties broke an earlier restore that recomputed 448/amax in
+    the kernel.)"""
+    n, k = 96, 256
+    p = make_packed(n, k, seed=seed, dist="t3")
+    p8 = dsp.prepare(p, "fp8")
+    w8_0, sw_0, am_0 = p8.w8.clone(), p8.sw.clone(), p8.amax_w.clone()
+    g = torch.Generator().manual_seed(seed)
+    A = (torch.randn(12, k, generator=g) * 0.05).to(torch.bfloat16)
+    Bc = (torch.randn(n, 4, generator=g) * 0.05).to(torch.bfloat16)
+    dsp._fp8_set_state(p8, ("k", 1.0), (A, Bc, 1.0, n // 3, None))
+    assert not torch.equal(p8.w8.view(torch.uint8), w8_0.view(torch.uint8))
+    dsp._fp8_set_state(p8, None, None)
+    assert torch.equal(p8.w8.view(torch.uint8), w8_0.view(torch.uint8))
+    assert torch.equal(p8.sw, sw_0) and torch.equal(p8.amax_w, am_0)
+
+
+def _bad_fold_cases():
+    n, k = 96, 256
+    p = make_packed(n, k, seed=2)
+    q, bs, gs = p.qdata, p.block_scale, p.global_scale.float().reshape(1)
+    A = torch.zeros(12, k, dtype=torch.bfloat16)
+    Bc = torch.zeros(n, 4, dtype=torch.bfloat16)
+    ob = torch.empty(n, k, dtype=torch.bfloat16)
+    o8 = torch.empty(n, k, dtype=torch.float8_e4m3fn)
+    f32 = torch.ones(n)
+    return {
+        "rank_mismatch": (dict(qdata=q, block_scale=bs, gs=gs, n=n, k=k, out=ob,
+                               lora=(A, Bc[:, :2], 1.0, 32)), "do not fit"),
+        "A_wrong_k": (dict(qdata=q, block_scale=bs, gs=gs, n=n, k=k, out=ob, lora=(A[:, :128], Bc, 1.0, 32)),
+                      "do not fit"),
+        "Bc_short": (dict(qdata=q, block_scale=bs, gs=gs, n=n, k=k, out=ob, lora=(A, Bc[:64], 1.0, 32)), "do not fit"),
+        "n_past_storage": (dict(qdata=q, block_scale=bs, gs=gs, n=160, k=k, out=torch.empty(160, k, dtype=torch.bfloat16)),
+                           "does not hold"),
+        "k_past_storage": (dict(qdata=q, block_scale=bs, gs=gs, n=n, k=512, out=torch.empty(n, 512, dtype=torch.bfloat16)),
+                           "does not hold"),
+        "k_not_16": (dict(qdata=q, block_scale=bs, gs=gs, n=n, k=250, out=torch.empty(n, 250, dtype=torch.bfloat16)),
+                     "multiple of 16"),
+        "scales_truncated": (dict(qdata=q, block_scale=bs[:, :8], gs=gs, n=n, k=k, out=ob), "swizzled layout"),
+        "nb_zero": (dict(qdata=q, block_scale=bs, gs=gs, n=n, k=k, out=ob, lora=(A, Bc, 1.0, 0)), "positive int"),
+        "nb_negative": (dict(qdata=q, block_scale=bs, gs=gs, n=n, k=k, out=ob, lora=(A, Bc, 1.0, -32)), "positive int"),
+        "int_out": (dict(qdata=q, block_scale=bs, gs=gs, n=n, k=k, out=torch.empty(n, k, dtype=torch.int32)),
+                    "out dtype"),
+        "bf16_amax": (dict(qdata=q, block_scale=bs, gs=gs, n=n, k=k, out=o8, lora=(A, Bc, 1.0, 32),
+                           amax_w=f32.bfloat16(), scale_out=f32.clone()), "fp32 amax_w"),
+        "no_scale_out": (dict(qdata=q, block_scale=bs, gs=gs, n=n, k=k, out=o8, amax_w=f32), "fp32 amax_w"),
+        "gs_not_scalar": (dict(qdata=q, block_scale=bs, gs=torch.ones(2), n=n, k=k, out=ob), "one fp32 value"),
+    }
+
+
+@pytest.mark.parametrize("case", sorted(_bad_fold_cases()))
+def test_fold_weight_refuses_inputs_it_would_misread(tk, case):
+    """fold_weight is public: every shape/dtype it would otherwise misread (or read out of bounds) raises
+    ValueError naming what was expected, and the output is left unwritten."""
+    kw, msg = _bad_fold_cases()[case]
+    before = kw["out"].clone()
+    with pytest.raises(ValueError, match=msg):
+        tk.fold_weight(**kw)
+    assert torch.equal(kw["out"].view(torch.uint8), before.view(torch.uint8))

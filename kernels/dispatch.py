@@ -298,7 +298,7 @@ def prepare(packed: PackedNVFP4, path: str):
 
 
 def _fp8_base_into(packed: PackedNVFP4, w8: torch.Tensor, sw: torch.Tensor, amax_w: torch.Tensor | None,
-                   step: int = 4096) -> None:
+                   step: int = 4096, use_triton: bool | None = None) -> None:
     """The fp8 path's base weight, written into w8 [>=N, K] e4m3 / sw [>=N] fp32 (and amax_w [N]): per chunk of
     ``step`` rows (a multiple of 128, so the swizzled block scales slice by rows), the exact fp32 dequant
     (Triton ``fold_weight`` on CUDA, ``nvfp4_ref.dequant_exact`` elsewhere: the same fp32 values) re-expressed
@@ -307,7 +307,10 @@ def _fp8_base_into(packed: PackedNVFP4, w8: torch.Tensor, sw: torch.Tensor, amax
     n, k = packed.out_features, packed.in_features
     dev = packed.qdata.device
     gs = packed.global_scale.detach().float().reshape(1).to(dev)
-    use_triton = dev.type == "cuda" and _has_triton()
+    if use_triton is None:
+        use_triton = dev.type == "cuda" and _has_triton()
+    if step % 128:
+        raise ValueError(f"_fp8_base_into: step {step} must be a multiple of 128 (swizzled scale tiles)")
     for r0 in range(0, n, step):
         r1 = min(n, r0 + step)
         q = packed.qdata[r0:r1]

@@ -352,3 +352,22 @@ def test_fold_weight_refuses_inputs_it_would_misread(tk, case):
     with pytest.raises(ValueError, match=msg):
         tk.fold_weight(**kw)
     assert torch.equal(kw["out"].view(torch.uint8), before.view(torch.uint8))
+
+
+@pytest.mark.parametrize("n,k", [(300, 208), (96, 384)])
+def test_fp8_base_from_kernel_dequant_equals_torch_path(tk, n, k):
+    """The fp8 base on a GPU dequantizes with fold_weight (fp32 output) in 128-row-aligned chunks; on the CPU with
+    nvfp4_ref. Both give the same bytes (also with chunks that end inside a 128-row scale tile)."""
+    p = make_packed(n, k, seed=n + k, dist="t3")
+    out = torch.full((n, k), float("nan"))
+    tk.fold_weight(p.qdata, p.block_scale, p.global_scale.float().reshape(1), n, k, out)
+    assert torch.equal(out, ref.dequant_exact(p.qdata, p.block_scale, p.global_scale, n, k, torch.float32))
+    res = []
+    for use_triton in (False, True):
+        w8 = torch.zeros(ref.fmt.roundup(n, 16), k, dtype=torch.float8_e4m3fn)
+        sw = torch.ones(ref.fmt.roundup(n, 16))
+        am = torch.zeros(n)
+        dsp._fp8_base_into(p, w8, sw, am, step=128, use_triton=use_triton)
+        res.append((w8.view(torch.uint8), sw, am))
+    assert all(torch.equal(a, b) for a, b in zip(*res))
+    assert torch.equal(res[0][0], dsp.prepare(p, "fp8").w8.view(torch.uint8))

@@ -155,13 +155,14 @@ def fused_operands(p: TargetParams, x: torch.Tensor):
     adapter tensors are not on x's device (ComfyUI offloaded them: the unfused branch casts per call instead).
 
     A [R, in] and Bc [out, R/splits] (the diagonal blocks of a block-diagonal qkv B stacked; B0 itself when
-    splits == 1) in the operand dtype; amax_a fp32 [R] = max_k |A[r, k]| (the fp8 fold's row-scale bound); key
+    splits == 1) in x's dtype (bf16/fp16; else the operand dtype); amax_a fp32 [R] = max_k |A[r, k]| (the fp8 fold's row-scale bound); key
     names these tensors (a weak reference to ``p`` and their storage) for the fp8 path's folded-weight slot.
     Cached on ``p`` per (device, dtype, storage): one extra [out, R/3] copy for qkv targets, [R] floats otherwise.
     """
     if p.A.device != x.device:
+        p.__dict__.pop("_h3_fused", None)   # the adapter moved off this device: keep no copies of it here
         return None
-    op = operand_dtype(x)
+    op = x.dtype if x.dtype in (torch.bfloat16, torch.float16) else operand_dtype(x)
     bs = p.bs()
     key = (x.device, op, p.A.data_ptr(), tuple(b.data_ptr() for b in bs))
     c = p.__dict__.get("_h3_fused")
@@ -312,20 +313,24 @@ class TurboBranch:
                     slot = capture.setdefault(block, {}) if capt else None
                     # the loader's NVFP4 layers compute base + branch together (kernels.dispatch.linear_with_lora),
                     # but only when nothing else wrapped the layer's forward before us
-                    fused = getattr(module, "h3turbo_lora_forward", None) if "forward" not in module.__dict__ else None
-                    self._wrap(module, self._make_fn(module.forward, p, idx, coef, slot, live, fused))
+                    own = "forward" not in module.__dict__
+                    fused = getattr(module, "h3turbo_lora_forward", None) if own else None
+                    fusable = getattr(module, "h3turbo_fusable", None)
+                    if fused is not None and fusable is None:
+                        fused = None
+                    self._wrap(module, self._make_fn(module.forward, p, idx, coef, slot, live, fused, fusable))
             except BaseException:
                 self._undo()
                 raise
             self.injected = True
 
-    def _make_fn(self, orig, p, idx, coef, slot, live, fused=None):
+    def _make_fn(self, orig, p, idx, coef, slot, live, fused=None, fusable=None):
         counts_ref = self
         splits = p.splits
 
         def turbo_lora_forward(x, *args, **kwargs):
             y = None
-            if fused is not None and live[0] and not args and not kwargs:
+            if fused is not None and live[0] and not args and not kwargs and fusable(x):
                 ops = fused_operands(p, x)
                 if ops is not None:
                     y = fused(x, ops[0], ops[1], coef, splits, ops[2], ops[3])

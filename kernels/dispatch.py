@@ -336,6 +336,8 @@ def _reference_weight(prepared, dtype) -> torch.Tensor:
         return ref.dequant_split(prepared.qs, prepared.scales, prepared.gs, prepared.out_features,
                                  prepared.in_features, dtype)
     if isinstance(prepared, PreparedFP8):
+        if prepared.state is not None:          # a Turbo fold occupies the slot: the base first
+            _fp8_set_state(prepared, None, None)
         n = prepared.out_features
         return (prepared.w8[:n].float() * prepared.sw[0, :n, None]).to(dtype)
     raise TypeError(f"not a prepared NVFP4 weight: {type(prepared).__name__}")
@@ -446,7 +448,7 @@ def _fp8_fold(x2d: torch.Tensor, p: PreparedFP8, lora: tuple) -> torch.Tensor:
     npad = p.w8.shape[0]
     w = _scratch(x2d.device, torch.float8_e4m3fn, npad * k).view(npad, k)
     so = _scratch(x2d.device, torch.float32, npad)
-    tk.fold_weight(pk.qdata, pk.block_scale, pk.global_scale.float().reshape(1), n, k, w, lora=lora,
+    tk.fold_weight(pk.qdata, pk.block_scale, pk.global_scale.float().reshape(1).to(x2d.device), n, k, w, lora=lora,
                    amax_w=p.amax_w, scale_out=so)
     x8, sx = tk.quant_rows_fp8(x2d)
     out = torch._scaled_mm(x8, w.t(), scale_a=sx, scale_b=so.view(1, npad), out_dtype=x2d.dtype,
@@ -463,12 +465,15 @@ def _fp8_set_state(p: PreparedFP8, key, lora: tuple | None) -> None:
     pk = p.packed
     n, k = p.out_features, p.in_features
     p.state = _INVALID   # a failure below must not leave a half-written weight marked valid
-    if key is None:
-        _fp8_base_into(pk, p.w8, p.sw.view(-1), None)
-    else:
-        from . import triton_nvfp4 as tk
-        tk.fold_weight(pk.qdata, pk.block_scale, pk.global_scale.float().reshape(1), n, k, p.w8,
-                       lora=lora, amax_w=p.amax_w, scale_out=p.sw.view(-1))
+    # w8/sw were made by prepare(), usually under ComfyUI's inference_mode (inference tensors): update them in
+    # the same mode, so a caller outside inference_mode can still switch the slot
+    with torch.inference_mode(p.w8.is_inference()):
+        if key is None:
+            _fp8_base_into(pk, p.w8, p.sw.view(-1), None)
+        else:
+            from . import triton_nvfp4 as tk
+            tk.fold_weight(pk.qdata, pk.block_scale, pk.global_scale.float().reshape(1).to(p.w8.device), n, k,
+                           p.w8, lora=lora, amax_w=p.amax_w, scale_out=p.sw.view(-1))
     p.state = key
     p.refolds += 1
 

@@ -434,6 +434,15 @@ def fold_weight(qdata: torch.Tensor, block_scale: torch.Tensor, gs: torch.Tensor
     if block_scale.shape[1] != want_cols or block_scale.shape[0] % 128 or block_scale.shape[0] < -(-n // 128) * 128:
         raise ValueError(f"fold_weight: block_scale {tuple(block_scale.shape)} is not the swizzled layout of these "
                          f"codes (expected [>= {-(-n // 128) * 128} rows, multiple of 128, {want_cols} columns])")
+    if qdata.stride(1) != 1 or not block_scale.is_contiguous():
+        raise ValueError("fold_weight: qdata needs unit column stride and block_scale must be contiguous "
+                         "(the swizzled offsets assume ComfyUI's storage)")
+    devs = {t.device for t in (qdata, block_scale, gs, out) if t is not None}
+    devs |= {t.device for t in (amax_w, scale_out) if t is not None}
+    if lora is not None:
+        devs |= {t.device for t in (*lora[:2], *lora[4:5]) if isinstance(t, torch.Tensor)}
+    if len(devs) != 1:
+        raise ValueError(f"fold_weight: all tensors must be on one device, got {sorted(map(str, devs))}")
     if gs.numel() != 1 or gs.dtype != torch.float32:
         raise ValueError(f"fold_weight: gs (weight_scale_2) must be one fp32 value, got {gs.dtype} {tuple(gs.shape)}")
     if out.dtype not in (torch.bfloat16, torch.float16, torch.float32, torch.float8_e4m3fn):

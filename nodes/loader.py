@@ -113,6 +113,26 @@ def make_operations(load_device, compute_dtype: torch.dtype | None = None):
                 comfy.ops.run_every_op()
                 return _kernel_forward(self, input, path)
 
+            def _apply(self, fn, recurse=True):
+                # core hands the layer new weight tensors when ComfyUI moves/offloads it: drop the prepared copy
+                # (and its references to the old storage) so they are freed with the old weights
+                self._h3_cache = None
+                return super()._apply(fn, recurse)
+
+            def h3turbo_fusable(self, input) -> bool:
+                """Cheap check: can :meth:`h3turbo_lora_forward` serve this call (GPU kernel path, bf16/fp16 input,
+                no weight patch/offload/grad, no ``pre_quant_scale``)?"""
+                if self._h3_path not in ("exact", "fp8") or input.dtype not in (torch.bfloat16, torch.float16) \
+                        or input.device.type != "cuda":
+                    return False
+                if _kernel_blocker(self, input) is not None:
+                    return False
+                if getattr(self, "pre_quant_scale", None) is not None:
+                    _log_once(("lora_pqs", self._h3_path), "H3 Turbo compute=%s: layers with pre_quant_scale run the "
+                              "Turbo branch unfused (it must see the unsmoothed input)", self._h3_path)
+                    return False
+                return True
+
             def h3turbo_lora_forward(self, input, A, Bc, coef, blocks, amax_a, key=None):
                 """This layer's output with the Turbo branch ``coef * Bc @ (A @ input)`` computed together by
                 ``kernels.dispatch.linear_with_lora`` (weight-side fold / fused epilogue), or None when this call
@@ -120,18 +140,10 @@ def make_operations(load_device, compute_dtype: torch.dtype | None = None):
                 amax_a fp32 [blocks*r] on input's device and dtype; ``key`` identifies the adapter target (fp8: the
                 fold stays in the layer's fp8 weight until another key or the base is needed). The branch sees
                 ``input`` itself; a layer with ``pre_quant_scale`` (smoothed base input) always returns None."""
-                path = self._h3_path
-                if path not in ("exact", "fp8") or input.dtype not in (torch.bfloat16, torch.float16) \
-                        or input.device.type != "cuda":
-                    return None
-                if _kernel_blocker(self, input) is not None:
-                    return None
-                if getattr(self, "pre_quant_scale", None) is not None:
-                    _log_once(("lora_pqs", path), "H3 Turbo compute=%s: layers with pre_quant_scale run the Turbo "
-                              "branch unfused (it must see the unsmoothed input)", path)
+                if not self.h3turbo_fusable(input):
                     return None
                 comfy.ops.run_every_op()
-                return _kernel_forward(self, input, path, lora=(A, Bc, coef, blocks, amax_a, key))
+                return _kernel_forward(self, input, self._h3_path, lora=(A, Bc, coef, blocks, amax_a, key))
 
     H3TurboOps.__name__ = "H3TurboOps"
     return H3TurboOps

@@ -371,3 +371,20 @@ def test_fp8_base_from_kernel_dequant_equals_torch_path(tk, n, k):
         res.append((w8.view(torch.uint8), sw, am))
     assert all(torch.equal(a, b) for a, b in zip(*res))
     assert torch.equal(res[0][0], dsp.prepare(p, "fp8").w8.view(torch.uint8))
+
+
+def test_fp8_slot_switches_outside_inference_mode_for_a_weight_prepared_inside(tk):
+    """ComfyUI prepares weights under torch.inference_mode (inference tensors); a later caller outside it (a script,
+    a no_grad node) can still fold and restore the slot, and the restored base is the prepared one."""
+    n, k = 96, 256
+    p = make_packed(n, k, seed=4)
+    with torch.inference_mode():
+        p8 = dsp.prepare(p, "fp8")
+        w8_0 = p8.w8.clone()
+    assert p8.w8.is_inference()
+    A = (torch.randn(12, k) * 0.05).to(torch.bfloat16)
+    Bc = (torch.randn(n, 4) * 0.05).to(torch.bfloat16)
+    with torch.no_grad():
+        dsp._fp8_set_state(p8, ("k", 1.0), (A, Bc, 1.0, n // 3, None))
+        dsp.linear(torch.randn(3, k).to(torch.bfloat16), p8, "fp8")
+    assert p8.state is None and torch.equal(p8.w8.view(torch.uint8), w8_0.view(torch.uint8))

@@ -317,3 +317,26 @@ def test_kernel_extra_bytes_accounting(comfy):
     assert kernel_extra_bytes(full, "reference") == 0 and kernel_extra_bytes(full, "blackwell_fp4") == 0
     assert kernel_extra_bytes(full, "exact") == nk // 2 + nk // 16 + 4 * 208
     assert kernel_extra_bytes(full, "fp8") == nk + 4 * sum(n for n, _ in full)
+
+
+@pytest.mark.comfyui
+def test_moving_a_layer_drops_its_prepared_weight(comfy, fixtures_dir):
+    """Core gives an NVFP4 layer new weight tensors when ComfyUI moves or offloads it (``_apply``): the pack's
+    prepared copy (which references the old storage) is dropped with it, so the old weights are freed. On the CPU
+    the kernel paths are refused, so the cache is filled by hand here."""
+    import gc
+    import weakref
+
+    from h3_turbo.nodes.loader import load_h3_model
+
+    mp = load_h3_model(fixtures_dir["nvfp4"], "reference")
+    lin = mp.model.diffusion_model.blocks[0].mlp.fc1
+    assert hasattr(lin, "_h3_cache") and not lin.h3turbo_fusable(torch.randn(2, lin.in_features))
+    old = lin.weight._qdata
+    ref_old = weakref.ref(old)
+    lin._h3_cache = (("key",), old)          # what _kernel_forward stores: (key, prepared holding the old storage)
+    del old
+    lin._apply(lambda t: t.clone())
+    assert lin._h3_cache is None
+    gc.collect()
+    assert ref_old() is None                  # nothing of ours keeps the moved-away storage alive

@@ -571,6 +571,9 @@ def test_fused_layer_hook_gets_the_branch_operands_and_falls_back(fixtures_dir, 
     class FusedLinear(torch.nn.Linear):
         answer = True
 
+        def h3turbo_fusable(self, x):
+            return x.dtype != torch.float64
+
         def h3turbo_lora_forward(self, x, A, Bc, coef, blocks, amax_a, key):
             assert key[0]() is not None and hash(key) == hash(key)
             seen.append((tuple(A.shape), tuple(Bc.shape), coef, blocks, amax_a))
@@ -617,4 +620,9 @@ def test_fused_layer_hook_gets_the_branch_operands_and_falls_back(fixtures_dir, 
     tl_f = lora.targets["blocks.5.mlp.fc1"]
     ref_f = torch.nn.functional.linear(xf, foreign.weight).double() + _ref_delta(tl_f, xf, 0.8)
     assert (yf.double() - ref_f).abs().max().item() <= 1e-5 * ref_f.abs().max().item()
+    # a call the layer says it cannot fuse never builds the fused operands (no adapter copies left behind)
+    p_fc1 = b.adapter.get("blocks.3.mlp.fc1")
+    p_fc1.__dict__.pop("_h3_fused", None)
+    fc1.double()(torch.randn(2, CFG.hidden, dtype=torch.float64))
+    assert "_h3_fused" not in p_fc1.__dict__ and b.fused_calls == 2
     b.eject()

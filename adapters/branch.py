@@ -16,12 +16,13 @@ with block-diagonal B runs as three rank-r products written into the Q/K/V colum
 (strided GEMM output: no rank-3r product, no [s, 3*inner] temporary).
 
 Fused route: when the wrapped layer is one of the pack's NVFP4 layers running a GPU kernel path (it
-offers ``h3turbo_lora_forward``, see ``nodes/loader.py``), nothing wrapped its forward before us, and the
-adapter tensors are on the activation's device, base + branch are computed together by
+offers ``h3turbo_fusable``/``h3turbo_lora_forward``, see ``nodes/loader.py``), nothing wrapped its forward
+before us, the layer accepts the call (``h3turbo_fusable``: GPU kernel path, no patch/offload, no
+``pre_quant_scale``) and the adapter tensors are on the activation's device, base + branch are computed together by
 ``kernels.dispatch.linear_with_lora``: the same formula with the update folded into the per-call weight
-(``exact``) or kept folded in the layer's e4m3 weight until the adapter/strength changes (``fp8``). The layer
-answers None (then the unfused route below runs) for calls its kernels do not take and for layers with
-``pre_quant_scale``. Either route counts the target for the coverage checks.
+(``exact``) or kept folded in the layer's e4m3 weight until the adapter/strength changes (``fp8``). Otherwise
+(or if the layer still answers None) the unfused route below runs. Either route counts the target for the
+coverage checks.
 
 INT8 tensor-wise ``fc2`` (hazard H1, ecosystem.md §5): core's ``comfy.ops.linear_input_act`` computes
 ``fc2(swiglu(fc1(x)))`` with comfy-kitchen's fused kernel and never calls ``fc2.forward``. For such
@@ -313,20 +314,17 @@ class TurboBranch:
                     slot = capture.setdefault(block, {}) if capt else None
                     # the loader's NVFP4 layers compute base + branch together (kernels.dispatch.linear_with_lora),
                     # but only when nothing else wrapped the layer's forward before us
-                    own = "forward" not in module.__dict__
-                    fused = getattr(module, "h3turbo_lora_forward", None) if own else None
-                    fusable = getattr(module, "h3turbo_fusable", None)
-                    if fused is not None and fusable is None:
-                        fused = None
-                    self._wrap(module, self._make_fn(module.forward, p, idx, coef, slot, live, fused, fusable))
+                    fusable = getattr(module, "h3turbo_fusable", None) if "forward" not in module.__dict__ else None
+                    self._wrap(module, self._make_fn(module.forward, p, idx, coef, slot, live, fusable))
             except BaseException:
-                self._undo()
+                self._restore()
                 raise
             self.injected = True
 
-    def _make_fn(self, orig, p, idx, coef, slot, live, fused=None, fusable=None):
+    def _make_fn(self, orig, p, idx, coef, slot, live, fusable=None):
         counts_ref = self
         splits = p.splits
+        fused = fusable.__self__.h3turbo_lora_forward if fusable is not None else None
 
         def turbo_lora_forward(x, *args, **kwargs):
             y = None
@@ -366,35 +364,30 @@ class TurboBranch:
 
         self._wrap(mlp, turbo_lora_mlp_forward)
 
-    def _undo(self) -> None:
+    def _restore(self) -> int:
+        """Put back every forward we wrapped (reverse order) and forget the records; a forward someone else wrapped
+        on top of ours stays, with ours inside it passing straight through (``_live`` off). Returns how many."""
         self._live[0] = False
+        stuck = 0
         for module, prev, fn in reversed(self._records):
             if module.__dict__.get("forward") is fn:
                 if prev is _MISSING:
                     del module.forward
                 else:
                     module.forward = prev
+            else:
+                stuck += 1
         self._records.clear()
+        return stuck
 
     def eject(self) -> None:
         """Restore every wrapped forward (in reverse order). A forward someone else wrapped on top of ours
         is left in place with ours inside it, ours then passing straight through (logged)."""
         with self._lock:
-            if self._records:
-                self._live[0] = False
-            stuck = 0
-            for module, prev, fn in reversed(self._records):
-                if module.__dict__.get("forward") is fn:
-                    if prev is _MISSING:
-                        del module.forward
-                    else:
-                        module.forward = prev
-                else:
-                    stuck += 1
+            stuck = self._restore()
             if stuck:
                 log.warning("Turbo LoRA %s: %d layer forwards were re-wrapped by another patch after ours; "
                             "ours stay inside them as inert pass-throughs", self.name, stuck)
-            self._records.clear()
             self.injected = False
 
     # ---- ComfyUI glue (lazy imports) -------------------------------------------------------------

@@ -44,6 +44,8 @@ if DRY:
 import torch  # noqa: E402
 import comfy.ldm.modules.attention as core  # noqa: E402
 
+import _common  # noqa: E402  (benchmarks/_common.py)
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 _spec = importlib.util.spec_from_file_location("h3t_attention", os.path.join(HERE, "..", "kernels", "attention.py"))
 A = importlib.util.module_from_spec(_spec)
@@ -93,17 +95,7 @@ def bench(fn, reps, warmup=1):
 
 
 def h3_qkv(S, seed=0):
-    g = torch.Generator(device=dev).manual_seed(seed)
-    qkv = torch.randn(S, 3 * HEADS * D, device=dev, dtype=torch.bfloat16, generator=g)
-    q, k, v = qkv.split(HEADS * D, dim=-1)
-    for t in (q, k):                     # per-head RMSNorm with a gain, in place in the buffer
-        tv = t.view(S, HEADS, D)
-        gain = 1.0 + 0.5 * torch.rand(HEADS, D, device=dev, generator=g)
-        tv.copy_((tv.float() * torch.rsqrt(tv.float().pow(2).mean(-1, keepdim=True) + 1e-6) * gain).to(tv.dtype))
-    qv = q.view(S, HEADS, D)
-    kv = k.view(S, HEADS, D)
-    vv = v.view(S, HEADS, D).clone()
-    return qkv, tuple(t.transpose(0, 1).unsqueeze(0) for t in (qv, kv, vv))   # [1, H, S, D] strided
+    return _common.h3_qkv(S, HEADS, D, dev, seed)
 
 
 def part_a():
@@ -165,14 +157,15 @@ def part_a():
 
 
 # ------------------------------------------------------------------ Part B: whole H3 forward
-def part_b():
+def random_h3():
+    """Core's own H3 DiT (full size; tiny with DRY=1) with random weights as shared/bench/anchor_core_forward.py
+    builds it (norm gains 1, biases N(0, 0.01), weights N(0, 0.02), seed 0), bf16, eval: returns (model, hidden)."""
     import comfy.ops
     import comfy.ldm.minimax.model as mm
 
     cfg = dict(hidden_size=64, num_layers=2, token_refiner_num_layers=1, num_attention_heads=2, attention_head_dim=32,
                ffn_hidden_size=96, text_dim=48, timestep_input_dim=32, time_embed_hidden_size=64, time_embed_dim=32,
                rope_inv_freq_len=4) if DRY else {}
-    H = cfg.get("hidden_size", 5376)
     torch.manual_seed(0)
     m = mm.MiniMaxH3Model(dtype=torch.bfloat16, device=dev, operations=comfy.ops.disable_weight_init, **cfg)
     with torch.no_grad():
@@ -186,6 +179,11 @@ def part_b():
         r_ = m.rope.inv_freq
         r_.copy_(1.0 / (10000 ** (torch.arange(r_.numel(), dtype=torch.float32, device=r_.device) / r_.numel())))
     m.requires_grad_(False).eval()
+    return m, cfg.get("hidden_size", 5376)
+
+
+def part_b():
+    m, H = random_h3()
 
     def inputs(w, h, frames, text=300):
         lt = 2 if frames <= 5 else ((frames - 5) // 17) * 5 + 2
@@ -259,27 +257,8 @@ def part_c():
     """One forward at 960x544x124 with random weights per attention variant; rel. L2 of each output to the
     forward whose attention is computed in float32 (IEEE). Shows whether core (FA2) and exact (cuDNN)
     differ from each other by more than each differs from the fp32-attention forward."""
-    import comfy.ops
-    import comfy.ldm.minimax.model as mm
-
     torch.backends.cuda.matmul.allow_tf32 = False
-    cfg = dict(hidden_size=64, num_layers=2, token_refiner_num_layers=1, num_attention_heads=2, attention_head_dim=32,
-               ffn_hidden_size=96, text_dim=48, timestep_input_dim=32, time_embed_hidden_size=64, time_embed_dim=32,
-               rope_inv_freq_len=4) if DRY else {}
-    H = cfg.get("hidden_size", 5376)
-    torch.manual_seed(0)
-    m = mm.MiniMaxH3Model(dtype=torch.bfloat16, device=dev, operations=comfy.ops.disable_weight_init, **cfg)
-    with torch.no_grad():
-        for n, p in m.named_parameters():
-            if n.endswith("norm.weight") or ".norm1." in n or ".norm2." in n or "q_norm" in n or "k_norm" in n:
-                p.fill_(1.0)
-            elif n.endswith(".bias"):
-                p.normal_(0, 0.01)
-            else:
-                p.normal_(0, 0.02)
-        r_ = m.rope.inv_freq
-        r_.copy_(1.0 / (10000 ** (torch.arange(r_.numel(), dtype=torch.float32, device=r_.device) / r_.numel())))
-    m.requires_grad_(False).eval()
+    m, H = random_h3()
     w, h, frames = (96, 64, 22) if DRY else (960, 544, 124)
     lt = ((frames - 5) // 17) * 5 + 2
     g = torch.Generator(device=dev).manual_seed(1)

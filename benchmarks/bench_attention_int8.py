@@ -1,8 +1,7 @@
 """Issue 9 benchmark: the 8-bit attention kernel (``kernels/attention_int8.py``: INT8 Q K^T, FP8 P V,
 Triton) against exact cuDNN SDPA on one GPU (H200), at H3 shapes.
 
-Inputs as ``benchmarks/bench_attention.py: h3_qkv`` builds them (copied here: that script imports
-ComfyUI at module import): 56 heads x 128, bf16, q/k per-head RMS-normalised times a per-channel gain
+Inputs from ``benchmarks/_common.py: h3_qkv`` (shared with bench_attention.py): 56 heads x 128, bf16, q/k per-head RMS-normalised times a per-channel gain
 in [1, 1.5), strided [1, 56, S, 128] views of one [S, 3*7168] qkv buffer, v cloned (core's layout).
 
 Columns per S: ``cudnn`` = ``kernels.attention.sdpa_with('CUDNN_ATTENTION', q, k, v)`` ([1, H, S, D]
@@ -27,6 +26,8 @@ import time
 
 import torch
 import triton
+
+import _common  # benchmarks/_common.py
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if "h3_turbo" not in sys.modules:       # the repo root is the package (its __init__ imports nothing heavy)
@@ -64,17 +65,7 @@ def cname(cfg):
 
 
 def h3_qkv(S, seed=0):
-    g = torch.Generator(device=dev).manual_seed(seed)
-    qkv = torch.randn(S, 3 * HEADS * D, device=dev, dtype=torch.bfloat16, generator=g)
-    q, k, v = qkv.split(HEADS * D, dim=-1)
-    for t in (q, k):                     # per-head RMSNorm with a gain, in place in the buffer
-        tv = t.view(S, HEADS, D)
-        gain = 1.0 + 0.5 * torch.rand(HEADS, D, device=dev, generator=g)
-        tv.copy_((tv.float() * torch.rsqrt(tv.float().pow(2).mean(-1, keepdim=True) + 1e-6) * gain).to(tv.dtype))
-    qv = q.view(S, HEADS, D)
-    kv = k.view(S, HEADS, D)
-    vv = v.view(S, HEADS, D).clone()
-    return qkv, tuple(t.transpose(0, 1).unsqueeze(0) for t in (qv, kv, vv))   # [1, H, S, D] strided
+    return _common.h3_qkv(S, HEADS, D, dev, seed)
 
 
 def bench(fn, S):

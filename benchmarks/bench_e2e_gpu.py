@@ -212,62 +212,20 @@ def fw_cfg(nb):
 
 
 def write_fullwidth(cfg, path, dev):
-    """Random H3 state dict with tools/fixtures.py's key layout and scales, generated on ``dev``; the 4 block
-    projections quantized to ComfyUI-native NVFP4 with formats.nvfp4.quantize (on ``dev``)."""
+    """Random H3 state dict of tools/fixtures.py (its key layout and scales), drawn on ``dev``, with the 4 block
+    projections quantized to ComfyUI-native NVFP4 by formats.nvfp4.quantize (on ``dev``) as they are drawn."""
     from safetensors.torch import save_file
 
     from h3_turbo.formats import nvfp4
-    from h3_turbo.tools.fixtures import FP32_ISLAND_PREFIXES, block_prefixes, projection_shapes
+    from h3_turbo.tools.fixtures import make_tiny_h3_state_dict
 
-    g = torch.Generator(device=dev).manual_seed(0)
-
-    def lin(o, i, gain=1.0):
-        return torch.randn(o, i, generator=g, device=dev, dtype=torch.bfloat16) * (gain / i ** 0.5)
-
-    def vec(n, std=0.02):
-        return torch.randn(n, generator=g, device=dev) * std
-
-    H, TD = cfg.hidden, cfg.time_embed_dim
-    sd = {"video_patch_proj.weight": lin(H, cfg.latents_dim * 4), "video_patch_proj.bias": vec(H),
-          "audio_patch_proj.weight": lin(H, cfg.audio_latents_dim), "audio_patch_proj.bias": vec(H),
-          "condition_proj.weight": lin(H, cfg.text_dim), "condition_proj.bias": vec(H),
-          "time_embedder.proj_in.weight": lin(cfg.time_embed_hidden, cfg.timestep_input_dim),
-          "time_embedder.proj_in.bias": vec(cfg.time_embed_hidden),
-          "time_embedder.proj_out.weight": lin(TD, cfg.time_embed_hidden), "time_embedder.proj_out.bias": vec(TD),
-          "rope.inv_freq": 1.0 / (10000 ** (torch.arange(cfg.rope_len, dtype=torch.float32) / cfg.rope_len))}
     marker = torch.tensor(list(b'{"format": "nvfp4"}'), dtype=torch.uint8)
-    shapes = projection_shapes(cfg)
-    for pfx in block_prefixes(cfg):
-        sd[f"{pfx}.norm1.weight"] = 1 + vec(H, 0.05)
-        sd[f"{pfx}.norm2.weight"] = 1 + vec(H, 0.05)
-        sd[f"{pfx}.attn.q_norm.weight"] = 1 + vec(cfg.head_dim, 0.05)
-        sd[f"{pfx}.attn.k_norm.weight"] = 1 + vec(cfg.head_dim, 0.05)
-        for proj, (o, i) in shapes.items():
-            q, bs, s = nvfp4.quantize(lin(o, i))
-            sd[f"{pfx}.{proj}.weight"] = q
-            sd[f"{pfx}.{proj}.weight_scale"] = bs
-            sd[f"{pfx}.{proj}.weight_scale_2"] = s.float().reshape(())
-            sd[f"{pfx}.{proj}.comfy_quant"] = marker.clone()
-        if pfx.startswith("blocks."):
-            sd[f"{pfx}.adaln_proj.linear.weight"] = lin(6 * H * 3, TD, 0.1)
-            sd[f"{pfx}.adaln_proj.linear.bias"] = vec(6 * H * 3)
-    sd["token_refiner.final_norm.weight"] = 1 + vec(H, 0.05)
-    sd["final_layer.norm.weight"] = 1 + vec(H, 0.05)
-    sd["final_layer.adaln_proj.linear.weight"] = lin(2 * H, TD, 0.1)
-    sd["final_layer.adaln_proj.linear.bias"] = vec(2 * H)
-    sd["final_layer.video_out.weight"] = lin(cfg.latents_dim * 4, H)
-    sd["final_layer.video_out.bias"] = vec(cfg.latents_dim * 4)
-    sd["final_layer.audio_out.weight"] = lin(cfg.audio_latents_dim, H)
-    sd["final_layer.audio_out.bias"] = vec(cfg.audio_latents_dim)
-    out = {}
-    for k, v in sd.items():
-        if v.dtype in (torch.uint8, torch.float8_e4m3fn) or k.endswith("weight_scale_2"):
-            out[k] = v.contiguous().cpu()
-        elif k == "rope.inv_freq" or k.startswith(FP32_ISLAND_PREFIXES):
-            out[k] = v.float().contiguous().cpu()
-        else:
-            out[k] = v.to(torch.bfloat16).contiguous().cpu()
-    del sd
+
+    def native_nvfp4(w):
+        q, bs, s = nvfp4.quantize(w.to(torch.bfloat16))
+        return {"weight": q, "weight_scale": bs, "weight_scale_2": s.float().reshape(()), "comfy_quant": marker.clone()}
+
+    out = {k: v.cpu() for k, v in make_tiny_h3_state_dict(cfg, seed=0, device=dev, projection=native_nvfp4).items()}
     save_file(out, path)
     return sum(t.nbytes for t in out.values())
 

@@ -94,27 +94,8 @@ if triton is not None:
         x = tl.minimum(tl.maximum(x, -LIM), LIM)
         return (x + tl.where(x >= 0, 0.5, -0.5)).to(tl.int8)
 
-    @triton.jit
-    def _rne_e4m3(x):
-        """fp32 (|x| <= 448) -> nearest e4m3 value (ties to even), still fp32. Used before fp8 casts under
-        the interpreter, whose cast truncates and drops mantissa carries; the GPU's cvt.rn.satfinite
-        rounds the same way by itself."""
-        b = x.to(tl.int32, bitcast=True)
-        bn = (b + 0x7FFFF + ((b >> 20) & 1)) & -1048576
-        xs = ((x * 512.0 + 12582912.0) - 12582912.0) * 0.001953125
-        return tl.where(tl.abs(x) < 0.015625, xs, bn.to(tl.float32, bitcast=True))
-
-    @triton.jit
-    def _rne_bf16(x):
-        """fp32 -> nearest bf16 value (ties to even), still fp32 (for the interpreter, as _rne_e4m3)."""
-        b = x.to(tl.int32, bitcast=True)
-        return ((b + 0x7FFF + ((b >> 16) & 1)) & -65536).to(tl.float32, bitcast=True)
-
-    @triton.jit
-    def _rne_f16(x):
-        """fp32 -> nearest fp16 value in fp16's normal range (ties to even), still fp32 (interpreter)."""
-        b = x.to(tl.int32, bitcast=True)
-        return ((b + 0xFFF + ((b >> 13) & 1)) & -8192).to(tl.float32, bitcast=True)
+    # interpreter-only rounding onto the e4m3 / bf16 / fp16 grids (shared with kernels/triton_nvfp4.py)
+    from .triton_interp import rne_bf16 as _rne_bf16, rne_e4m3 as _rne_e4m3, rne_f16 as _rne_f16
 
     @triton.jit
     def _quant_kv_kernel(K, V, KM, VM, VINV, K8, KS, VQ,

@@ -24,6 +24,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .triton_interp import rne_bf16, rne_e4m3
+
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
@@ -46,26 +48,17 @@ def _e4m3_x2p14(s):
 
 @triton.jit
 def _cast(v, dt: tl.constexpr, INTERP: tl.constexpr):
-    """fp32 -> dt with round-to-nearest-even (the interpreter truncates fp32->bf16, so round by hand)."""
+    """fp32 -> dt with round-to-nearest-even (the interpreter truncates fp32->bf16, so round first there)."""
     if INTERP and dt == tl.bfloat16:
-        b = v.to(tl.uint32, bitcast=True)
-        b = (b + 0x7FFF + ((b >> 16) & 1)) & 0xFFFF0000
-        v = b.to(tl.float32, bitcast=True)
+        v = rne_bf16(v)
     return v.to(dt)
 
 
 @triton.jit
 def _to_e4m3(v, dt: tl.constexpr, INTERP: tl.constexpr):
-    """fp32 (|v| <= 448) -> e4m3 with round-to-nearest-even. The interpreter's cast mis-rounds values whose
-    rounding carries into the exponent, so there the value is first rounded onto the e4m3 grid by hand
-    (3 mantissa bits; below 2^-6 the subnormal step 2^-9), after which the cast is exact."""
+    """fp32 (|v| <= 448) -> e4m3 with round-to-nearest-even (rounded onto the grid first under the interpreter)."""
     if INTERP:
-        b = v.to(tl.uint32, bitcast=True)
-        b = (b + 0x7FFFF + ((b >> 20) & 1)) & 0xFFF00000
-        normal = b.to(tl.float32, bitcast=True)
-        sub = ((tl.abs(v) * 512.0 + 12582912.0) - 12582912.0) / 512.0
-        sub = tl.where((b >> 31) != 0, -sub, sub)             # keep the sign (of -0 too)
-        v = tl.where(tl.abs(v) < 0.015625, sub, normal)
+        v = rne_e4m3(v)
     return v.to(dt)
 
 

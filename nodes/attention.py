@@ -36,7 +36,7 @@ def apply_backend(model, backend: str):
         from ..kernels import attention_int8
 
         log.info("H3TurboAttention: 8-bit attention (int8_sage: INT8 Q.K, FP8 P.V) on this MODEL: approximate, "
-                 "~4%% relative per attention call; inputs it does not take run exact attention")
+                 "~4% relative per attention call; inputs it does not take run exact attention")
         to["optimized_attention_override"] = attention_int8.int8_override()
     else:
         to["optimized_attention_override"] = attn.exact_override()

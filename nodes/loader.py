@@ -135,13 +135,11 @@ def make_operations(load_device, compute_dtype: torch.dtype | None = None):
 
             def h3turbo_lora_forward(self, input, A, Bc, coef, blocks, amax_a, key=None):
                 """This layer's output with the Turbo branch ``coef * Bc @ (A @ input)`` computed together by
-                ``kernels.dispatch.linear_with_lora`` (weight-side fold / fused epilogue), or None when this call
-                cannot (the caller then runs ``forward`` + the unfused branch). A [blocks*r, K], Bc [N, r] and
-                amax_a fp32 [blocks*r] on input's device and dtype; ``key`` identifies the adapter target (fp8: the
-                fold stays in the layer's fp8 weight until another key or the base is needed). The branch sees
-                ``input`` itself; a layer with ``pre_quant_scale`` (smoothed base input) always returns None."""
-                if not self.h3turbo_fusable(input):
-                    return None
+                ``kernels.dispatch.linear_with_lora`` (weight-side fold / fused epilogue). Call it only for an input
+                :meth:`h3turbo_fusable` accepted (the runtime branch checks first, once per call). A [blocks*r, K],
+                Bc [N, r] and amax_a fp32 [blocks*r] on input's device and dtype; ``key`` identifies the adapter
+                target (fp8: the fold stays in the layer's fp8 weight until another key or the base is needed). The
+                branch sees ``input`` itself (layers with ``pre_quant_scale`` are never fusable)."""
                 comfy.ops.run_every_op()
                 return _kernel_forward(self, input, self._h3_path, lora=(A, Bc, coef, blocks, amax_a, key))
 

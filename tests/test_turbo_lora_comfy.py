@@ -81,10 +81,13 @@ def base_run(comfy):
 def test_turbo_none_and_strength_zero_bit_identical(comfy, base_run):
     from h3_turbo import state
 
+    before = state.snapshot()["current_turbo"]
     for lora in (("turbo", "none", 1.0), ("turbo", "4step", 0.0)):
         v, a = _run(comfy, _prompt(lora=lora, tag="none"))
         assert torch.equal(v, base_run[0]) and torch.equal(a, base_run[1]), lora
-    assert state.snapshot()["current_turbo"] in ("none", "4step", "8step")  # set by whoever ran last
+    # Turbo off through core's sampler installs no branch, so these runs either report "none" or leave the value of
+    # whichever run came before (which depends on the tests selected); they never report an adapter themselves
+    assert state.snapshot()["current_turbo"] in ("none", before)
 
 
 @pytest.mark.parametrize("off", [("none", 1.0), ("4step", 0.0)])

@@ -72,19 +72,24 @@ def projection_shapes(cfg: TinyH3Config) -> dict[str, tuple[int, int]]:
     }
 
 
-def make_tiny_h3_state_dict(cfg: TinyH3Config = TinyH3Config(), seed: int = 0) -> dict[str, torch.Tensor]:
-    """A tiny H3 state dict in ComfyUI key names (no prefix).
+def make_tiny_h3_state_dict(cfg: TinyH3Config = TinyH3Config(), seed: int = 0, device="cpu",
+                            projection=None) -> dict[str, torch.Tensor]:
+    """A tiny (or, with a full-width ``cfg``, full-width partial-depth) H3 state dict in ComfyUI key names.
 
     Block tensors are bf16; the fp32 island (patch projections, time embedder, final outputs) is
-    fp32, as in the real BF16 checkpoints. Deterministic for a given ``seed``.
+    fp32, as in the real BF16 checkpoints. Deterministic for a given ``seed`` and ``device`` (the random numbers
+    are drawn there). ``projection(w)``: optional hook for each of the 208 block projections' fp32 weight
+    [out, in]; returns the tensors to store under ``<layer>.`` (default ``{"weight": w}``), e.g. an NVFP4
+    ``weight``/``weight_scale``/``weight_scale_2``/``comfy_quant`` set made as the weight is drawn; uint8 / e4m3
+    tensors and ``weight_scale_2`` are stored as returned.
     """
-    g = torch.Generator().manual_seed(seed)
+    g = torch.Generator(device=device).manual_seed(seed)
 
     def lin(out_f: int, in_f: int, gain: float = 1.0) -> torch.Tensor:
-        return torch.randn(out_f, in_f, generator=g) * (gain / in_f ** 0.5)
+        return torch.randn(out_f, in_f, generator=g, device=device) * (gain / in_f ** 0.5)
 
     def vec(n: int, std: float = 0.02) -> torch.Tensor:
-        return torch.randn(n, generator=g) * std
+        return torch.randn(n, generator=g, device=device) * std
 
     H, TD = cfg.hidden, cfg.time_embed_dim
     sd: dict[str, torch.Tensor] = {
@@ -104,7 +109,9 @@ def make_tiny_h3_state_dict(cfg: TinyH3Config = TinyH3Config(), seed: int = 0) -
         sd[f"{pfx}.attn.q_norm.weight"] = 1 + vec(cfg.head_dim, 0.05)
         sd[f"{pfx}.attn.k_norm.weight"] = 1 + vec(cfg.head_dim, 0.05)
         for proj, (o, i) in shapes.items():
-            sd[f"{pfx}.{proj}.weight"] = lin(o, i)
+            w = lin(o, i)
+            for suffix, t in (projection(w) if projection is not None else {"weight": w}).items():
+                sd[f"{pfx}.{proj}.{suffix}"] = t
         if pfx.startswith("blocks."):
             sd[f"{pfx}.adaln_proj.linear.weight"] = lin(6 * H * 3, TD, 0.1)
             sd[f"{pfx}.adaln_proj.linear.bias"] = vec(6 * H * 3)
@@ -118,7 +125,9 @@ def make_tiny_h3_state_dict(cfg: TinyH3Config = TinyH3Config(), seed: int = 0) -
     sd["final_layer.audio_out.bias"] = vec(cfg.audio_latents_dim)
 
     for k, v in sd.items():
-        if k == "rope.inv_freq" or k.startswith(FP32_ISLAND_PREFIXES):
+        if v.dtype in (torch.uint8, torch.float8_e4m3fn) or k.endswith("weight_scale_2"):
+            sd[k] = v.contiguous()
+        elif k == "rope.inv_freq" or k.startswith(FP32_ISLAND_PREFIXES):
             sd[k] = v.float().contiguous()
         else:
             sd[k] = v.to(torch.bfloat16).contiguous()

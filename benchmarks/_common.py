@@ -1,0 +1,24 @@
+"""Pieces shared by the benchmark scripts (run from the repo root as ``python3 benchmarks/<script>.py``, also on
+machines where the pack is not installed).
+
+h3_qkv: attention inputs with H3's statistics in core ComfyUI's layout (``comfy/ldm/minimax/model.py``):
+q, k, v are [1, heads, S, d] strided views of one [S, 3*heads*d] bf16 qkv buffer, q and k per-head
+RMS-normalised times a per-channel gain in [1, 1.5), v cloned (as core's attention receives them).
+"""
+import torch
+
+
+def h3_qkv(S: int, heads: int, d: int, dev, seed: int = 0):
+    """Returns (qkv [S, 3*heads*d] bf16, (q, k, v) each [1, heads, S, d] strided views/clone). Deterministic per
+    (S, seed, device)."""
+    g = torch.Generator(device=dev).manual_seed(seed)
+    qkv = torch.randn(S, 3 * heads * d, device=dev, dtype=torch.bfloat16, generator=g)
+    q, k, v = qkv.split(heads * d, dim=-1)
+    for t in (q, k):                     # per-head RMSNorm with a gain, in place in the buffer
+        tv = t.view(S, heads, d)
+        gain = 1.0 + 0.5 * torch.rand(heads, d, device=dev, generator=g)
+        tv.copy_((tv.float() * torch.rsqrt(tv.float().pow(2).mean(-1, keepdim=True) + 1e-6) * gain).to(tv.dtype))
+    qv = q.view(S, heads, d)
+    kv = k.view(S, heads, d)
+    vv = v.view(S, heads, d).clone()
+    return qkv, tuple(t.transpose(0, 1).unsqueeze(0) for t in (qv, kv, vv))   # [1, H, S, D] strided

@@ -1,0 +1,36 @@
+"""Round-to-nearest-even onto the bf16 / fp16 / e4m3 grids, in fp32, for Triton kernels run under
+``TRITON_INTERPRET=1`` (the CPU tests).
+
+The interpreter's own fp32 -> bf16/fp16/e4m3 casts truncate and drop mantissa carries (an e4m3 value that rounds
+up into the next binade comes out halved, -0 loses its sign), and its bf16 dot multiplies raw bits. Kernels
+therefore round onto the target grid with these helpers first, under their ``INTERP`` flag only, after which the
+cast is exact; on the GPU the hardware conversions (round to nearest even, ``satfinite``) are used and this code is
+compiled out. Inputs: fp32 tensors; outputs: fp32 values on the target grid (same sign, including -0).
+"""
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def rne_e4m3(x):
+    """fp32 (|x| <= 448) -> nearest e4m3 value (ties to even) as fp32: 3 mantissa bits; below 2^-6 the subnormal
+    step 2^-9."""
+    b = x.to(tl.int32, bitcast=True)
+    normal = ((b + 0x7FFFF + ((b >> 20) & 1)) & -1048576).to(tl.float32, bitcast=True)
+    sub = ((tl.abs(x) * 512.0 + 12582912.0) - 12582912.0) * 0.001953125
+    sub = tl.where(b < 0, -sub, sub)
+    return tl.where(tl.abs(x) < 0.015625, sub, normal)
+
+
+@triton.jit
+def rne_bf16(x):
+    """fp32 -> nearest bf16 value (ties to even) as fp32."""
+    b = x.to(tl.int32, bitcast=True)
+    return ((b + 0x7FFF + ((b >> 16) & 1)) & -65536).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def rne_f16(x):
+    """fp32 -> nearest fp16 value in fp16's normal range (ties to even) as fp32."""
+    b = x.to(tl.int32, bitcast=True)
+    return ((b + 0xFFF + ((b >> 13) & 1)) & -8192).to(tl.float32, bitcast=True)

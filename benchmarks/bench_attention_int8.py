@@ -44,7 +44,8 @@ OUT = os.environ.get("OUT", ".")
 HEADS, D = 56, 128
 SIZES = [int(s) for s in os.environ.get("SIZES", "19584,37632,109000").split(",")]
 BASE = dict(Q.DEFAULT_CONFIG)
-DEFAULT_CONFIGS = [          # changes from kernels.attention_int8.DEFAULT_CONFIG ({} = the default)
+DEFAULT_CONFIGS = [          # changes from kernels.attention_int8.DEFAULT_CONFIG ({} = that default;
+    None,                    # null/None = "tuned": tuned_config(device, S), what the override runs)
     {},
     {"MAGIC": False},
     {"num_stages": 2},
@@ -61,6 +62,8 @@ res = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton"
 
 
 def cname(cfg):
+    if cfg is None:
+        return "tuned"
     return "base" if not cfg else ",".join(f"{k}={v}" for k, v in cfg.items())
 
 
@@ -91,8 +94,9 @@ def run_size(S, configs, first):
     full_ref = o
     r["cudnn"] = {"ms": t, "tflops": flops / t / 1e9, **A.accuracy(o[0, heads_idx][:, rows].float(), ref)}
     print(S, "cudnn", json.dumps(r["cudnn"]), flush=True)
-    for cfg in configs:
-        name = cname(cfg)
+    for cfg0 in configs:
+        name = cname(cfg0)
+        cfg = Q.tuned_config(dev, S) if cfg0 is None else cfg0
         try:
             t0 = time.perf_counter()
             o = Q.sage_attention(q, k, v, out_layout="blhd", config=cfg)
@@ -115,15 +119,16 @@ def run_size(S, configs, first):
                 if Q._cfg(cfg)["PV_FP8"]:
                     rr["v8_equal_model"] = bool(torch.equal(kv["vq"][hs][:, :, :S].float().transpose(1, 2), qz["v8"]))
                 del kv, qz, model
-                if not cfg:
+                if cfg0 is None or (not cfg0 and None not in configs):
+                    rr["config"] = Q._cfg(cfg)
                     poison = torch.full((1, S, HEADS * D), float("nan"), device=dev, dtype=torch.bfloat16)
-                    o2 = Q.sage_attention(q, k, v, out_layout="blhd", out=poison).view(1, S, HEADS, D).transpose(1, 2)
+                    o2 = Q.sage_attention(q, k, v, out_layout="blhd", out=poison, config=cfg0).view(1, S, HEADS, D).transpose(1, 2)
                     rr["full_finite"] = bool(torch.isfinite(o2).all())
                     err = ((o2.float() - full_ref.float()).norm(dim=-1) / full_ref.float().norm(dim=-1))
                     rr["full_rel_l2_vs_cudnn"] = A.rel_l2(o2.float(), full_ref.float())
                     rr["full_max_row_rel_err_vs_cudnn"] = float(err.max())
                     rr["full_deterministic"] = bool(torch.equal(
-                        Q.sage_attention(q, k, v, out_layout="blhd").view(1, S, HEADS, D).transpose(1, 2), o2))
+                        Q.sage_attention(q, k, v, out_layout="blhd", config=cfg0).view(1, S, HEADS, D).transpose(1, 2), o2))
                     del o2, poison, err
             r[name] = rr
         except Exception as e:
@@ -161,7 +166,9 @@ def write_md():
 if __name__ == "__main__":
     r0 = run_size(SIZES[0], CONFIGS, True)
     ranked = sorted((c for c in CONFIGS if "ms" in r0.get(cname(c), {})), key=lambda c: r0[cname(c)]["ms"])
-    best = ranked[:TOP] + [c for c in ranked if c.get("PV_FP8") is False][:1]   # + the fastest bf16-PV one
+    best = ranked[:TOP] + [c for c in ranked if c is not None and c.get("PV_FP8") is False][:1]  # + fastest bf16 PV
+    if None in ranked and None not in best:     # the shipped (tuned) configuration runs at every S
+        best.append(None)
     res["ranked_at_first_S"] = [cname(c) for c in ranked]
     for S in SIZES[1:]:
         run_size(S, best, False)
@@ -177,7 +184,8 @@ if __name__ == "__main__":
                       f"{v.get('quant_ms', float('nan')):6.2f}")
             elif isinstance(v, dict) and "error" in v:
                 print(f"{S:>7} {name:<34} ERROR {v['error'][:150]}")
-    base = res["sizes"][str(SIZES[0])].get("base", {})
-    print("full-output check (base):", {k: base.get(k) for k in ("full_finite", "full_rel_l2_vs_cudnn",
+    chk = "tuned" if None in CONFIGS else "base"
+    base = res["sizes"][str(SIZES[0])].get(chk, {})
+    print(f"full-output check ({chk}):", {k: base.get(k) for k in ("full_finite", "full_rel_l2_vs_cudnn",
                                                               "full_max_row_rel_err_vs_cudnn", "full_deterministic",
                                                               "k8_equal_model", "v8_equal_model")})

@@ -31,13 +31,25 @@ at L = 37 632); it only pays for large channel offsets. ``IMPRECISE``: ``max_num
 fp8 P V dot (None: Triton's Hopper default, accumulate in the wgmma accumulator; a number promotes to
 fp32 every that many keys: measured < 1e-5 cosine gain for 12 % time). ``TMA``: K/V tiles through
 tensor descriptors (bulk tensor copies) instead of per-thread ``cp.async``. ``WS``:
-``tl.range(warp_specialize=True)`` (no effect measured on Hopper with triton 3.6).
+``tl.range(warp_specialize=True)`` (no effect measured on Hopper with triton 3.6). ``QPRE``: Q is
+quantized by its own pre-kernel (:func:`quantize_q`, the same float32 ops) into an int8 [B*H, L_pad, D]
+copy, so the kernel's Q tile is read by the tensor cores from shared memory instead of occupying 16
+registers per thread. ``ROWSUM_MMA``: the softmax row sum is taken on the tensor cores as
+``e4m3(p) @ ones`` (a fresh accumulator per key block, added to a float32 running sum; Hopper's fp8 MMA
+accumulates with ~14-bit precision, which made a running sum inside the MMA accumulator wrong by
+26-90 % at these lengths), i.e. ``l`` sums the same rounded P that multiplies V (needs ``PV_FP8``).
+``MAXNREG``: register cap per thread (Triton's ``maxnreg``). With TMA, QPRE and ROWSUM_MMA the kernel
+needs 165 registers and 76 KB of shared memory at 2 stages: 3 CTAs (12 warps) per Hopper SM instead of 2.
 
-Status (H200, benchmarks/results/bench_attention_int8_h200.md): best 0.83x of exact (cuDNN) at
-L = 19 584, 0.75x at 109 000, per-head cosine 0.99905-0.99912 vs float32 attention: issue 9's target
-(<= 0.7x with cos >= 0.999) is NOT met. It is still 1.2x faster than ``exact`` at the same accuracy class as
-SageAttention 2, so ``H3TurboAttention`` offers it as the explicit, approximate ``int8_sage`` backend
-(``auto`` stays ``exact``).
+:func:`tuned_config` picks the configuration when none is given: :data:`HOPPER_CONFIGS` on compute
+capability 9.x, else :data:`DEFAULT_CONFIG` (which needs no TMA, e.g. Ada).
+
+Status (H200, benchmarks/results/bench_attention_int8_h200.md, tuned config, pre-passes included):
+0.78x of exact (cuDNN) at L = 19 584, 0.76-0.77x at 37 632, 0.67-0.69x at 109 000, per-head cosine
+0.99905-0.99912 vs float32 attention. Issue 9's target (<= 0.7x with cos >= 0.999) is met at 109 000
+only. Nsight Compute on the 19 584 kernel: 12 warps per SM, issue slots 50 % busy, tensor pipe 48 %, L2 63 %:
+latency-bound by the one-warpgroup-per-CTA structure (no producer/consumer ping-pong in Triton 3.6).
+``H3TurboAttention`` offers it as the explicit, approximate ``int8_sage`` backend (``auto`` stays ``exact``).
 
 Under ``TRITON_INTERPRET=1`` (CPU tests) values are rounded to the e4m3/bf16/fp16 grid in fp32 before
 each cast and bf16 dots run in fp32: the interpreter's own casts truncate without mantissa carry and its
@@ -78,10 +90,17 @@ LOG2E = 1.4426950408889634
 FP8_MAX = 448.0
 LOG2_FP8_MAX = math.log2(FP8_MAX)
 
-# Default launch configuration (H200-tuned, see benchmarks/results/bench_attention_int8_h200.md).
+# Default launch configuration (any GPU with FP8 tensor cores; cp.async loads, Q quantized in-kernel).
 DEFAULT_CONFIG = {"BLOCK_M": 64, "BLOCK_N": 128, "num_warps": 4, "num_stages": 3, "MAGIC": True,
                   "PV_FP8": True, "V_MEAN": False, "WS": False, "IMPRECISE": None,
-                  "TMA": False}
+                  "TMA": False, "QPRE": False, "ROWSUM_MMA": False, "MAXNREG": None}
+# Hopper (compute capability 9.x), measured on the H200 (benchmarks/results/bench_attention_int8_h200.md,
+# runs 6-8): (largest key length or None, changes from DEFAULT_CONFIG); the first row that fits is used.
+# 3 CTAs per SM (<= 168 registers, ~76 KB shared memory), K/V through TMA, Q quantized by its
+# pre-kernel (its int8 tile is read by the tensor cores from shared memory), row sums on the tensor cores.
+HOPPER_CONFIGS = (
+    (None, {"TMA": True, "QPRE": True, "ROWSUM_MMA": True, "num_stages": 2, "MAXNREG": 168}),
+)
 SUPPORTED_HEAD_DIMS = (64, 128)
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16)
 
@@ -141,6 +160,26 @@ if triton is not None:
             tl.store(VQ + base + offs_n[:, None] * HEAD_DIM + offs_d[None, :], v.to(tl.bfloat16))
 
     @triton.jit
+    def _quant_q_kernel(Q, Q8, QS, sqb, sqh, sqm, sqd, H, N_Q, N_QPAD, qk_scale,
+                        HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr):
+        """Q per block of BLOCK_M rows -> int8 [B*H, N_QPAD, D] (rows past N_Q zero) and the block's
+        score scale ``max|q| / 127 * qk_scale`` [B*H, N_QPAD / BLOCK_M]: the same float32 ops as the
+        in-kernel quantization."""
+        i = tl.program_id(0)
+        bh = tl.program_id(1)
+        b = bh // H
+        h = bh % H
+        offs_m = i * BLOCK_M + tl.arange(0, BLOCK_M)
+        offs_d = tl.arange(0, HEAD_DIM)
+        qp = Q + b.to(tl.int64) * sqb + h.to(tl.int64) * sqh + offs_m[:, None].to(tl.int64) * sqm + offs_d[None, :] * sqd
+        q = tl.load(qp, mask=(offs_m < N_Q)[:, None], other=0.0).to(tl.float32)
+        amax = tl.max(tl.max(tl.abs(q), 1), 0)
+        inv = tl.where(amax > 0, 127.0 / amax, 0.0)
+        q8 = _round_i8(q * inv, 127.0)
+        tl.store(Q8 + bh.to(tl.int64) * N_QPAD * HEAD_DIM + offs_m[:, None] * HEAD_DIM + offs_d[None, :], q8)
+        tl.store(QS + bh * (N_QPAD // BLOCK_M) + i, (amax / 127.0) * qk_scale)
+
+    @triton.jit
     def _scores(q8, K8, k_ptrs, k_row, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, MAGIC: tl.constexpr,
                 TMA: tl.constexpr):
         """int32 scores q8 . k8^T of one key block, as float32: exactly 12582912 + q8.k8 with MAGIC
@@ -156,11 +195,13 @@ if triton is not None:
             return tl.dot(q8, tl.trans(k)).to(tl.float32)
 
     @triton.jit
-    def _update(acc, l_i, m_i, x, c, VQ, v_ptrs, v_row, start_n, N_K,
+    def _update(acc, l_i, m_i, x, c, VQ, v_ptrs, v_row, start_n, N_K, ones,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, MASK: tl.constexpr,
                 MAGIC: tl.constexpr, PV_FP8: tl.constexpr, INTERP: tl.constexpr, IMPRECISE: tl.constexpr,
-                TMA: tl.constexpr):
-        """Online-softmax update with the scores ``x`` of one key block (``c``: score scale, exp2 domain)."""
+                TMA: tl.constexpr, ROWSUM_MMA: tl.constexpr):
+        """Online-softmax update with the scores ``x`` of one key block (``c``: score scale, exp2 domain).
+        ``l_i``: running row sum [BLOCK_M] float32 of the unrounded P, or with ROWSUM_MMA of the
+        e4m3-rounded P, each block's sum taken on the tensor cores as ``P8 @ ones``."""
         if MAGIC:
             off = -12582912.0 * c
             if MASK:
@@ -179,7 +220,10 @@ if triton is not None:
             arg = tl.where(valid, arg, -float("inf"))
         p = tl.math.exp2(arg)
         alpha = tl.math.exp2(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, 1)
+        if ROWSUM_MMA:
+            l_i = l_i * alpha
+        else:
+            l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None]
         if PV_FP8:
             if TMA:
@@ -188,7 +232,12 @@ if triton is not None:
                 vt = tl.load(v_ptrs)                         # [D, BLOCK_N] e4m3
             if INTERP:
                 p = _rne_e4m3(tl.minimum(p, 448.0))
-            acc = tl.dot(p.to(tl.float8e4nv), tl.trans(vt), acc, max_num_imprecise_acc=IMPRECISE)
+            p8 = p.to(tl.float8e4nv)
+            acc = tl.dot(p8, tl.trans(vt), acc, max_num_imprecise_acc=IMPRECISE)
+            if ROWSUM_MMA:     # ones: [16, BLOCK_N] e4m3 pointers (loop-invariant: loaded once)
+                # a fresh accumulator per key block: Hopper's fp8 MMA accumulates with ~14-bit
+                # precision, so the running sum itself stays in float32 registers
+                l_i += tl.max(tl.dot(p8, tl.trans(tl.load(ones))), 1)
         else:
             if TMA:
                 v = VQ.load([v_row + start_n, 0])            # [BLOCK_N, D] bf16
@@ -201,21 +250,22 @@ if triton is not None:
         return acc, l_i, m_new
 
     @triton.jit
-    def _attn_block(acc, l_i, m_i, q8, qc, K8, VQ, k_ptrs, v_ptrs, k_row, v_row, ks_ptr, start_n, N_K,
+    def _attn_block(acc, l_i, m_i, q8, qc, K8, VQ, k_ptrs, v_ptrs, k_row, v_row, ks_ptr, start_n, N_K, ones,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, MASK: tl.constexpr,
                     MAGIC: tl.constexpr, PV_FP8: tl.constexpr, INTERP: tl.constexpr, IMPRECISE: tl.constexpr,
-                    TMA: tl.constexpr):
+                    TMA: tl.constexpr, ROWSUM_MMA: tl.constexpr):
         x = _scores(q8, K8, k_ptrs, k_row + start_n, BLOCK_M, BLOCK_N, MAGIC, TMA)
-        return _update(acc, l_i, m_i, x, qc * tl.load(ks_ptr), VQ, v_ptrs, v_row, start_n, N_K,
-                       BLOCK_M, BLOCK_N, MASK, MAGIC, PV_FP8, INTERP, IMPRECISE, TMA)
+        return _update(acc, l_i, m_i, x, qc * tl.load(ks_ptr), VQ, v_ptrs, v_row, start_n, N_K, ones,
+                       BLOCK_M, BLOCK_N, MASK, MAGIC, PV_FP8, INTERP, IMPRECISE, TMA, ROWSUM_MMA)
 
     @triton.jit
-    def _attn_fwd_kernel(Q, K8, KS, VQ, VS, VM, OUT,
+    def _attn_fwd_kernel(Q, Q8, QS, K8, KS, VQ, VS, VM, OUT, ONES,
                          sqb, sqh, sqm, sqd, sob, soh, som, sod,
-                         H, N_Q, N_K, N_KPAD, qk_scale,
+                         H, N_Q, N_QPAD, N_K, N_KPAD, qk_scale,
                          HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                          MAGIC: tl.constexpr, PV_FP8: tl.constexpr, V_MEAN: tl.constexpr, WS: tl.constexpr,
-                         INTERP: tl.constexpr, IMPRECISE: tl.constexpr, TMA: tl.constexpr):
+                         INTERP: tl.constexpr, IMPRECISE: tl.constexpr, TMA: tl.constexpr,
+                         QPRE: tl.constexpr, ROWSUM_MMA: tl.constexpr):
         pid_m = tl.program_id(0)
         bh = tl.program_id(1)
         b = bh // H
@@ -223,15 +273,23 @@ if triton is not None:
         offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         offs_d = tl.arange(0, HEAD_DIM)
         offs_n = tl.arange(0, BLOCK_N)
-        # ---- Q: load (strided), per-block int8 with sm_scale*log2e folded into its scale
-        qp = Q + b.to(tl.int64) * sqb + h.to(tl.int64) * sqh + offs_m[:, None].to(tl.int64) * sqm + offs_d[None, :] * sqd
-        q = tl.load(qp, mask=(offs_m < N_Q)[:, None], other=0.0).to(tl.float32)
-        amax = tl.max(tl.max(tl.abs(q), 1), 0)
-        inv = tl.where(amax > 0, 127.0 / amax, 0.0)
-        q8 = _round_i8(q * inv, 127.0)
-        qc = (amax / 127.0) * qk_scale
+        # ---- Q: per-block int8 with sm_scale*log2e folded into its scale (pre-kernel with QPRE)
+        if QPRE:
+            q8 = tl.load(Q8 + bh.to(tl.int64) * N_QPAD * HEAD_DIM + offs_m[:, None] * HEAD_DIM + offs_d[None, :])
+            qc = tl.load(QS + bh * (N_QPAD // BLOCK_M) + pid_m)
+        else:
+            qp = Q + b.to(tl.int64) * sqb + h.to(tl.int64) * sqh + offs_m[:, None].to(tl.int64) * sqm + offs_d[None, :] * sqd
+            q = tl.load(qp, mask=(offs_m < N_Q)[:, None], other=0.0).to(tl.float32)
+            amax = tl.max(tl.max(tl.abs(q), 1), 0)
+            inv = tl.where(amax > 0, 127.0 / amax, 0.0)
+            q8 = _round_i8(q * inv, 127.0)
+            qc = (amax / 127.0) * qk_scale
         m_i = tl.zeros([BLOCK_M], dtype=tl.float32) - float("inf")
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+        if ROWSUM_MMA:
+            ones = ONES + tl.arange(0, 16)[:, None] * BLOCK_N + offs_n[None, :]
+        else:
+            ones = 0
         acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
         k_row = bh * N_KPAD                                  # TMA coordinates (rows of the 2-D views)
         v_row = bh * HEAD_DIM if PV_FP8 else bh * N_KPAD
@@ -253,17 +311,17 @@ if triton is not None:
         if WS:
             for j in tl.range(0, n_full, warp_specialize=True):
                 acc, l_i, m_i = _attn_block(acc, l_i, m_i, q8, qc, K8, VQ, k_ptrs + j * (BLOCK_N * HEAD_DIM),
-                                            v_ptrs + j * v_step, k_row, v_row, ks_ptr + j, j * BLOCK_N, N_K,
-                                            BLOCK_M, BLOCK_N, False, MAGIC, PV_FP8, INTERP, IMPRECISE, TMA)
+                                            v_ptrs + j * v_step, k_row, v_row, ks_ptr + j, j * BLOCK_N, N_K, ones,
+                                            BLOCK_M, BLOCK_N, False, MAGIC, PV_FP8, INTERP, IMPRECISE, TMA, ROWSUM_MMA)
         else:
             for j in range(0, n_full):
                 acc, l_i, m_i = _attn_block(acc, l_i, m_i, q8, qc, K8, VQ, k_ptrs + j * (BLOCK_N * HEAD_DIM),
-                                            v_ptrs + j * v_step, k_row, v_row, ks_ptr + j, j * BLOCK_N, N_K,
-                                            BLOCK_M, BLOCK_N, False, MAGIC, PV_FP8, INTERP, IMPRECISE, TMA)
+                                            v_ptrs + j * v_step, k_row, v_row, ks_ptr + j, j * BLOCK_N, N_K, ones,
+                                            BLOCK_M, BLOCK_N, False, MAGIC, PV_FP8, INTERP, IMPRECISE, TMA, ROWSUM_MMA)
         if n_full * BLOCK_N < N_K:                           # ragged last key block (zero-padded buffers)
             acc, l_i, m_i = _attn_block(acc, l_i, m_i, q8, qc, K8, VQ, k_ptrs + n_full * (BLOCK_N * HEAD_DIM),
                                         v_ptrs + n_full * v_step, k_row, v_row, ks_ptr + n_full, n_full * BLOCK_N,
-                                        N_K, BLOCK_M, BLOCK_N, True, MAGIC, PV_FP8, INTERP, IMPRECISE, TMA)
+                                        N_K, ones, BLOCK_M, BLOCK_N, True, MAGIC, PV_FP8, INTERP, IMPRECISE, TMA, ROWSUM_MMA)
         # ---- epilogue
         out = acc / l_i[:, None]
         if PV_FP8:
@@ -281,6 +339,20 @@ if triton is not None:
         tl.store(op, out.to(OUT.dtype.element_ty), mask=(offs_m < N_Q)[:, None])
 
 
+def tuned_config(device: torch.device | str | None, lk: int) -> dict:
+    """The launch configuration used when none is given: :data:`DEFAULT_CONFIG`, with the
+    :data:`HOPPER_CONFIGS` row for key length ``lk`` on a CUDA device of compute capability 9.x."""
+    c = dict(DEFAULT_CONFIG)
+    dev = torch.device(device) if device is not None else None
+    if dev is not None and dev.type == "cuda" and torch.cuda.is_available() \
+            and torch.cuda.get_device_capability(dev)[0] == 9:
+        for limit, changes in HOPPER_CONFIGS:
+            if limit is None or lk <= limit:
+                c.update(changes)
+                break
+    return c
+
+
 def _cfg(config: dict | None) -> dict:
     c = dict(DEFAULT_CONFIG)
     if config:
@@ -288,6 +360,8 @@ def _cfg(config: dict | None) -> dict:
         if unknown:
             raise ValueError(f"attention_int8: unknown config keys {sorted(unknown)}; expected {sorted(c)}")
         c.update(config)
+    if c["ROWSUM_MMA"] and not c["PV_FP8"]:
+        raise ValueError("attention_int8: ROWSUM_MMA needs PV_FP8 (the row sum runs on the e4m3 P)")
     return c
 
 
@@ -335,6 +409,32 @@ def quantize_kv(k: torch.Tensor, v: torch.Tensor, config: dict | None = None):
     return {"k8": k8, "ks": ks, "vq": vq, "km": km, "vm": vm, "vs": vs, "vinv": vinv, "n_kpad": npad}
 
 
+_ONES: dict = {}
+
+
+def _ones_e4m3(device, block_n: int) -> torch.Tensor:
+    """A cached [16, block_n] e4m3 tensor of ones on ``device`` (the B operand of the ROWSUM_MMA row sum)."""
+    key = (str(device), block_n)
+    if key not in _ONES:
+        _ONES[key] = torch.ones(16, block_n, device=device).to(torch.float8_e4m3fn)
+    return _ONES[key]
+
+
+def quantize_q(q: torch.Tensor, qk_scale: float, config: dict | None = None):
+    """Pre-kernel (QPRE): q [B, H, L, D] (bf16/fp16, any strides) -> (``q8`` int8 [B*H, L_pad, D] per block
+    of BLOCK_M rows, rows past L zero; ``qs`` float32 [B*H, L_pad / BLOCK_M] = ``max|q| / 127 * qk_scale``;
+    ``L_pad``). The same float32 math as the attention kernel's own quantization."""
+    c = _cfg(config)
+    B, H, L, D = q.shape
+    bm = c["BLOCK_M"]
+    npad = triton.cdiv(L, bm) * bm
+    q8 = torch.empty(B * H, npad, D, device=q.device, dtype=torch.int8)
+    qs = torch.empty(B * H, npad // bm, device=q.device, dtype=torch.float32)
+    _quant_q_kernel[(npad // bm, B * H)](q, q8, qs, *q.stride(), H, L, npad, qk_scale,
+                                         HEAD_DIM=D, BLOCK_M=bm, num_warps=4)
+    return q8, qs, npad
+
+
 def sage_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None,
                    out_layout: str = "bhld", config: dict | None = None, out: torch.Tensor | None = None):
     """8-bit attention softmax(q k^T * scale) v (see module docstring for the quantized math).
@@ -342,11 +442,13 @@ def sage_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: flo
     q [B, H, Lq, D], k/v [B, H, Lk, D]: bf16 or fp16, one device, any strides, D in (64, 128).
     ``out_layout``: ``"bhld"`` -> returns [B, H, Lq, D] contiguous; ``"blhd"`` -> returns [B, Lq, H*D]
     (core's ``skip_output_reshape=False`` layout, written directly). ``out``: optional preallocated
-    output of that shape (every element is written). Raises ValueError on unsupported inputs.
+    output of that shape (every element is written). ``config``: launch configuration (changes from
+    :data:`DEFAULT_CONFIG`); None = :func:`tuned_config` for q's device and the key length.
+    Raises ValueError on unsupported inputs.
     """
     if triton is None:
         raise RuntimeError(f"attention_int8: triton unavailable ({_TRITON_ERROR})")
-    c = _cfg(config)
+    c = _cfg(config if config is not None else tuned_config(q.device, k.shape[2] if k.ndim == 4 else 0))
     if q.ndim != 4 or k.ndim != 4 or v.ndim != 4:
         raise ValueError(f"attention_int8: q, k, v must be 4-D [B, H, L, D], got {tuple(q.shape)}, "
                          f"{tuple(k.shape)}, {tuple(v.shape)}")
@@ -379,6 +481,10 @@ def sage_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: flo
         so = (out.stride(0), D, out.stride(1), 1)
     grid = (triton.cdiv(Lq, c["BLOCK_M"]), B * H)
     k8, vq = kv["k8"], kv["vq"]
+    if c["QPRE"]:
+        q8, qs, nqpad = quantize_q(q, sm * LOG2E, c)
+    else:
+        q8, qs, nqpad = q, q, Lq              # unused by the kernel
     if c["TMA"]:
         from triton.tools.tensor_descriptor import TensorDescriptor
 
@@ -388,12 +494,15 @@ def sage_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: flo
             vq = TensorDescriptor(vq.view(B * H * D, npad), [B * H * D, npad], [npad, 1], [D, bn])
         else:
             vq = TensorDescriptor(vq.view(B * H * npad, D), [B * H * npad, D], [D, 1], [bn, D])
+    launch = {"maxnreg": c["MAXNREG"]} if c["MAXNREG"] else {}
+    ones = _ones_e4m3(q.device, c["BLOCK_N"]) if c["ROWSUM_MMA"] else q
     _attn_fwd_kernel[grid](
-        q, k8, kv["ks"], vq, kv["vs"], kv["vm"], out,
-        *q.stride(), *so, H, Lq, Lk, kv["n_kpad"], sm * LOG2E,
+        q, q8, qs, k8, kv["ks"], vq, kv["vs"], kv["vm"], out, ones,
+        *q.stride(), *so, H, Lq, nqpad, Lk, kv["n_kpad"], sm * LOG2E,
         HEAD_DIM=D, BLOCK_M=c["BLOCK_M"], BLOCK_N=c["BLOCK_N"], MAGIC=c["MAGIC"], PV_FP8=c["PV_FP8"],
         V_MEAN=c["V_MEAN"], WS=c["WS"], INTERP=INTERPRET, IMPRECISE=None if c["IMPRECISE"] is None else min(c["IMPRECISE"], c["BLOCK_N"]),
-        TMA=c["TMA"], num_warps=c["num_warps"], num_stages=c["num_stages"])
+        TMA=c["TMA"], QPRE=c["QPRE"], ROWSUM_MMA=c["ROWSUM_MMA"], num_warps=c["num_warps"],
+        num_stages=c["num_stages"], **launch)
     return out
 
 
@@ -466,11 +575,11 @@ def sage_reference(q, k, v, scale: float | None = None, config: dict | None = No
         m_new = torch.maximum(m, s.amax(-1))
         p = torch.exp2(s - m_new[..., None] + LOG2_FP8_MAX)
         alpha = torch.exp2(m - m_new)
-        l = l * alpha + p.sum(-1)
         if c["PV_FP8"]:
             p8 = p.float().clamp(max=FP8_MAX).to(torch.float8_e4m3fn).double()
         else:
             p8 = p.float().to(torch.bfloat16).double()
+        l = l * alpha + (p8 if c["ROWSUM_MMA"] else p).sum(-1)
         acc = acc * alpha[..., None] + p8 @ qz["v8"][:, j * bn:(j + 1) * bn].double()
         m = m_new
     out = acc / l[..., None]
@@ -492,7 +601,7 @@ class Int8SageAttention:
     the process-wide ``exact`` override), with one INFO log line per reason; so does a CUDA GPU without
     FP8 tensor cores (compute capability < 8.9, fp8 P V) and a call whose kernel raises (build failure).
     ``calls``/``fallbacks``:
-    counters. ``config``: launch configuration (default :data:`DEFAULT_CONFIG`).
+    counters. ``config``: launch configuration (default None: :func:`tuned_config` per call).
     """
 
     backend = BACKEND
@@ -501,7 +610,7 @@ class Int8SageAttention:
                  config: dict | None = None):
         self.fallback = fallback if fallback is not None else _exact.exact_override()
         self.devices = tuple(devices)
-        self.config = _cfg(config)
+        self.config = _cfg(config) if config is not None else None    # None: tuned_config per call
         self.calls = 0
         self.fallbacks = 0
 
@@ -546,7 +655,8 @@ class Int8SageAttention:
             return self._fall(f"head dim {D} (8-bit kernel takes {SUPPORTED_HEAD_DIMS})", func, args, kwargs)
         if k4.shape[:2] != (B, H) or v4.shape != k4.shape or k4.shape[-1] != D or Lq < 1 or k4.shape[2] < 1:
             return self._fall("q/k/v shapes differ (cross-shape or GQA layout)", func, args, kwargs)
-        if q.device.type == "cuda" and self.config["PV_FP8"] and torch.cuda.get_device_capability(q.device) < (8, 9):
+        pv_fp8 = (self.config or DEFAULT_CONFIG)["PV_FP8"]
+        if q.device.type == "cuda" and pv_fp8 and torch.cuda.get_device_capability(q.device) < (8, 9):
             cap = "%d.%d" % torch.cuda.get_device_capability(q.device)
             return self._fall(f"GPU compute capability {cap} has no FP8 tensor cores", func, args, kwargs)
         layout = "bhld" if kwargs.get("skip_output_reshape", False) else "blhd"

@@ -227,6 +227,27 @@ def kernel_extra_bytes(shapes: list[tuple[int, int]], path: str) -> int:
     return 0
 
 
+def kernel_workspace_bytes(shapes: list[tuple[int, int]], path: str, act_bytes: int = 2) -> int:
+    """GPU bytes of the per-process buffers ``kernels.dispatch`` reuses across layers for ``path`` (allocated at
+    first use, kept): exact: the whole-weight buffer of the largest layer (``_scratch``, N*K activations) plus
+    the row-tile double buffers (``_TILE_BUFS``, 2 x min(TILE_ROWS, N) x K per distinct tile shape); fp8: the
+    per-call LoRA fold buffer (e4m3 roundup(N,16)*K + fp32 row scales) of the largest layer; others: 0.
+    ``act_bytes``: bytes per activation element (bf16/fp16: 2)."""
+    from ..kernels.dispatch import TILE_ROWS
+
+    def r(x, m):
+        return (x + m - 1) // m * m
+
+    if not shapes:
+        return 0
+    if path == "exact":
+        tiles = {(min(TILE_ROWS, n), k) for n, k in shapes}
+        return max(n * k for n, k in shapes) * act_bytes + sum(2 * t * k * act_bytes for t, k in tiles)
+    if path == "fp8":
+        return max(r(n, 16) * k for n, k in shapes) + 4 * max(r(n, 16) for n, _ in shapes)
+    return 0
+
+
 def check_values(path: str, sd: dict[str, torch.Tensor], det: Detection) -> None:
     """Value checks on the native state dict before building: block scales finite (no e4m3 NaN byte)
     and non-negative, global scales finite and > 0. Raises :class:`CheckpointError` naming the key."""
@@ -306,10 +327,14 @@ def load_h3_model(path: str, compute: str = "auto", disable_dynamic: bool = Fals
         if not keep_fp32_island:
             raise RuntimeError(f"compute={cpath} needs the H3 Turbo operations (keep_fp32_island=True)")
         n = install_compute(mp, cpath)
-        extra = kernel_extra_bytes([(q.n, q.k) for q in det.quant_layers.values()], cpath)
-        mp.size = int(mp.model_size()) + extra   # what ComfyUI reserves: packed weights + the kernels' copies
+        shapes = [(q.n, q.k) for q in det.quant_layers.values()]
+        extra = kernel_extra_bytes(shapes, cpath)
+        work_b = kernel_workspace_bytes(shapes, cpath)
+        # what ComfyUI reserves: packed weights + the kernels' prepared copies + their reused work buffers
+        mp.size = int(mp.model_size()) + extra + work_b
         _log_once(("installed", path, cpath), "H3 Turbo loader: %d NVFP4 projections use compute=%s "
-                  "(+%.2f GiB prepared weights on the GPU)", n, cpath, extra / 2**30)
+                  "(+%.2f GiB prepared weights, +%.2f GiB work buffers on the GPU)", n, cpath, extra / 2**30,
+                  work_b / 2**30)
     contracts.attach(mp, None, compute=cpath, compute_reason=reason, source_format=det.format,
                      checkpoint=os.path.basename(path), packed_bytes=packed)
     state.record_loaded_model(path, format=det.format, compute=cpath, packed_bytes=packed,

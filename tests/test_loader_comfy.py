@@ -317,6 +317,14 @@ def test_kernel_extra_bytes_accounting(comfy):
     assert kernel_extra_bytes(full, "reference") == 0 and kernel_extra_bytes(full, "blackwell_fp4") == 0
     assert kernel_extra_bytes(full, "exact") == nk // 2 + nk // 16 + 4 * 208
     assert kernel_extra_bytes(full, "fp8") == nk + 4 * sum(n for n, _ in full)
+    # the reused per-call buffers (kernels.dispatch._scratch / _TILE_BUFS): largest layer fc1 28672 x 5376
+    from h3_turbo.kernels.dispatch import TILE_ROWS
+    from h3_turbo.nodes.loader import kernel_workspace_bytes
+    assert TILE_ROWS == 3072
+    assert kernel_workspace_bytes(full, "exact") == 28672 * 5376 * 2 + 2 * 3072 * (5376 + 7168 + 14336) * 2
+    assert kernel_workspace_bytes(full, "fp8") == 28672 * 5376 + 4 * 28672
+    assert kernel_workspace_bytes(full, "reference") == 0 and kernel_workspace_bytes([], "exact") == 0
+    assert kernel_workspace_bytes([(300, 208)], "exact") == 300 * 208 * 2 + 2 * 300 * 208 * 2   # one tile = N rows
 
 
 @pytest.mark.comfyui

@@ -1,11 +1,30 @@
 """Pieces shared by the benchmark scripts (run from the repo root as ``python3 benchmarks/<script>.py``, also on
 machines where the pack is not installed).
 
+import_package: ``import h3_turbo`` from this checkout.
 h3_qkv: attention inputs with H3's statistics in core ComfyUI's layout (``comfy/ldm/minimax/model.py``):
 q, k, v are [1, heads, S, d] strided views of one [S, 3*heads*d] bf16 qkv buffer, q and k per-head
 RMS-normalised times a per-channel gain in [1, 1.5), v cloned (as core's attention receives them).
 """
+import importlib.util
+import os
+import sys
+
 import torch
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def import_package():
+    """Make ``import h3_turbo`` load THIS checkout (the repo root is the package; its ``__init__`` imports
+    nothing heavy), whether or not the pack is installed. Returns the package module."""
+    if "h3_turbo" not in sys.modules:
+        spec = importlib.util.spec_from_file_location("h3_turbo", os.path.join(REPO, "__init__.py"),
+                                                      submodule_search_locations=[REPO])
+        pkg = importlib.util.module_from_spec(spec)
+        sys.modules["h3_turbo"] = pkg
+        spec.loader.exec_module(pkg)
+    return sys.modules["h3_turbo"]
 
 
 def h3_qkv(S: int, heads: int, d: int, dev, seed: int = 0):

@@ -6,22 +6,23 @@ in [1, 1.5), strided [1, 56, S, 128] views of one [S, 3*7168] qkv buffer, v clon
 
 Columns per S: ``cudnn`` = ``kernels.attention.sdpa_with('CUDNN_ATTENTION', q, k, v)`` ([1, H, S, D]
 out; what ``exact`` runs on Hopper), and each 8-bit config, called as the override does for H3
-(``out_layout='blhd'``: [1, S, 7168] written directly), the K/V quantization pre-pass INCLUDED.
+(``out_layout='blhd'``: [1, S, 7168] written directly), every pre-pass INCLUDED (K/V statistics and
+quantization, and Q quantization with QPRE). A ``null`` config entry is ``tuned``: what ``int8_sage``
+runs (``tuned_config`` for the device and S); ``{}`` is DEFAULT_CONFIG.
 Time: median of ``triton.testing.do_bench`` (ms). TFLOP/s = 4 S^2 * 56 * 128 / t. ``x_exact`` = time /
 cuDNN time in the same run. Accuracy vs float32 attention (``kernels.attention.reference_attention``)
 on 8 heads x 512 query rows (all keys): smallest per-head cosine and relative L2. At the first S each
 config is also checked against the float64 model of its own quantized math (``sage_reference``) on
-2 heads x 256 rows (``vs_model_rel_l2``), and the default config writes into a NaN-poisoned output
-whose every element must be finite and close to cuDNN's (``full_*``).
+2 heads x 256 rows (``vs_model_rel_l2``), and ``tuned`` (or ``{}`` when no ``null`` entry is given) writes
+into a NaN-poisoned output whose every element must be finite and close to cuDNN's (``full_*``).
+``quant_ms``: the pre-passes alone (``quantize_kv``, plus ``quantize_q`` with QPRE).
 
 Env: SIZES (default 19584,37632,109000), CONFIGS (JSON list of config dicts, default below), TOP (how
 many of the fastest configs at the first S run at the larger S; default 2), OUT (result folder).
 Writes $OUT/bench_attention_int8_h200.json and .md; prints a table last.
 """
-import importlib.util
 import json
 import os
-import sys
 import time
 
 import torch
@@ -29,13 +30,7 @@ import triton
 
 import _common  # benchmarks/_common.py
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if "h3_turbo" not in sys.modules:       # the repo root is the package (its __init__ imports nothing heavy)
-    _spec = importlib.util.spec_from_file_location("h3_turbo", os.path.join(ROOT, "__init__.py"),
-                                                   submodule_search_locations=[ROOT])
-    _pkg = importlib.util.module_from_spec(_spec)
-    sys.modules["h3_turbo"] = _pkg
-    _spec.loader.exec_module(_pkg)
+_common.import_package()
 from h3_turbo.kernels import attention as A  # noqa: E402
 from h3_turbo.kernels import attention_int8 as Q  # noqa: E402
 
@@ -114,7 +109,9 @@ def run_size(S, configs, first):
                 rr["vs_model_rel_l2"] = A.rel_l2(o4[0, hs][:, rs].float(), model)
                 rr["model_vs_f32_rel_l2"] = A.rel_l2(model, A.reference_attention(q, k, v, rows=rs, heads=hs))
                 kv = Q.quantize_kv(k, v, cfg)
-                rr["quant_ms"] = bench(lambda: Q.quantize_kv(k, v, cfg), S)
+                ce = Q._cfg(cfg)
+                rr["quant_ms"] = bench(lambda: (Q.quantize_kv(k, v, ce),
+                                                Q.quantize_q(q, 0.1, ce) if ce["QPRE"] else None), S)
                 rr["k8_equal_model"] = bool(torch.equal(kv["k8"][hs][:, :S].float(), qz["k8"]))
                 if Q._cfg(cfg)["PV_FP8"]:
                     rr["v8_equal_model"] = bool(torch.equal(kv["vq"][hs][:, :, :S].float().transpose(1, 2), qz["v8"]))

@@ -17,11 +17,10 @@ import os
 import sys
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-_pkg = "/tmp/h3pkg"
-os.makedirs(_pkg, exist_ok=True)
-if not os.path.exists(os.path.join(_pkg, "h3_turbo")):
-    os.symlink(REPO, os.path.join(_pkg, "h3_turbo"))
-sys.path.insert(0, _pkg)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _common  # noqa: E402  (benchmarks/_common.py)
+
+_common.import_package()
 
 import torch  # noqa: E402
 from triton.testing import do_bench  # noqa: E402

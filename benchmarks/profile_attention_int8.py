@@ -16,9 +16,7 @@ else)::
 
 Run from the repo root (device tool ``run``, no carry): ``python3 benchmarks/profile_attention_int8.py``.
 """
-import importlib.util
 import os
-import sys
 import time
 
 import torch
@@ -26,13 +24,7 @@ import triton
 
 import _common  # benchmarks/_common.py
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if "h3_turbo" not in sys.modules:       # the repo root is the package (its __init__ imports nothing heavy)
-    _spec = importlib.util.spec_from_file_location("h3_turbo", os.path.join(ROOT, "__init__.py"),
-                                                   submodule_search_locations=[ROOT])
-    _pkg = importlib.util.module_from_spec(_spec)
-    sys.modules["h3_turbo"] = _pkg
-    _spec.loader.exec_module(_pkg)
+_common.import_package()
 from h3_turbo.kernels import attention as A  # noqa: E402
 from h3_turbo.kernels import attention_int8 as Q  # noqa: E402
 

@@ -32,7 +32,7 @@ log = logging.getLogger("h3_turbo")
 
 # Node backend names. ``auto`` resolves to ``exact`` on every device: the 8-bit backend is approximate,
 # so the user opts into it by name. ``int8_sage``: kernels/attention_int8.py (INT8 Q.K, FP8 P.V; on the
-# H200 0.78x exact's time at 19 584 tokens, 0.77x at 37 632, 0.67-0.69x at 109 000, per-head cosine >= 0.9990 vs float32:
+# H200 0.78-0.79x exact's time at 19 584 tokens, 0.77x at 37 632, 0.67-0.69x at 109 000, per-head cosine >= 0.9990 vs float32:
 # benchmarks/results/bench_attention_int8_h200.md); unsupported inputs run ``exact`` (logged once).
 AUTO = "auto"
 EXACT = "exact"

@@ -8,7 +8,8 @@ Math, for q, k, v [B, H, L, D] (any strides), ``scale`` (default ``D ** -0.5``),
 * K smoothing: ``k' = k - mean_tokens(k)`` per (b, h, channel), in float32 (softmax is invariant to
   adding ``q . const`` to every score of a row).
 * Q: per block of ``BLOCK_M`` query rows of one head, ``a = max |q|``, ``sq = a / 127``,
-  ``q8 = round_half_away(q * (127 / a))`` (int8, 0 where a = 0); done inside the attention kernel.
+  ``q8 = round_half_away(q * (127 / a))`` (int8, 0 where a = 0); inside the attention kernel, or by the
+  pre-kernel :func:`quantize_q` with ``QPRE`` (the tuned Hopper configuration).
 * K: the same on ``k'`` per block of ``BLOCK_N`` keys (``sk``), by the pre-kernel :func:`quantize_kv`.
 * Scores in the exp2 domain: ``s = (q8 . k8) * (sq * scale * log2e) * sk`` with an exact int32 dot.
 * V: optional per-channel mean ``mv`` subtracted (``V_MEAN``; added back at the end since softmax rows
@@ -16,8 +17,11 @@ Math, for q, k, v [B, H, L, D] (any strides), ``scale`` (default ``D ** -0.5``),
   ``v8 = e4m3(clamp((v - mv) * (448 / max), +-448))`` (round to nearest even), stored transposed
   ([B*H, D, L_pad], the K-major B operand Hopper's FP8 wgmma needs).
 * Online softmax over key blocks with float32 running max ``m`` and sum ``l``:
-  ``p = exp2(s - m_new + log2 448)`` (P scaled by 448 to use e4m3's range), ``l += sum(p)`` (float32,
-  unrounded), ``acc = acc * exp2(m_old - m_new) + e4m3(p) @ v8`` (float32 accumulation).
+  ``p = exp2(s - m_new + log2 448)`` (P scaled by 448 to use e4m3's range), ``l = l * alpha + sum(p)``
+  (float32, unrounded p; with ``ROWSUM_MMA`` the sum of the e4m3-rounded p, taken per key block on the
+  tensor cores), ``acc = acc * alpha + e4m3(p) @ v8`` with ``alpha = exp2(m_old - m_new)`` (the fp8 MMA
+  accumulates in float32 registers; on Hopper its internal accumulation keeps ~14 bits).
+* A negative ``scale`` runs as ``(-q, |scale|)`` (the same softmax).
 * ``out = acc / l * sv + mv``, in q's dtype.
 
 Config keys (:data:`DEFAULT_CONFIG`): ``BLOCK_M``/``BLOCK_N``/``num_warps``/``num_stages`` (launch);
@@ -45,7 +49,7 @@ needs 165 registers and 76 KB of shared memory at 2 stages: 3 CTAs (12 warps) pe
 capability 9.x, else :data:`DEFAULT_CONFIG` (which needs no TMA, e.g. Ada).
 
 Status (H200, benchmarks/results/bench_attention_int8_h200.md, tuned config, pre-passes included):
-0.78x of exact (cuDNN) at L = 19 584, 0.76-0.77x at 37 632, 0.67-0.69x at 109 000, per-head cosine
+0.78-0.79x of exact (cuDNN) at L = 19 584, 0.77x at 37 632, 0.67-0.69x at 109 000, per-head cosine
 0.99905-0.99912 vs float32 attention. Issue 9's target (<= 0.7x with cos >= 0.999) is met at 109 000
 only. Nsight Compute on the 19 584 kernel: 12 warps per SM, issue slots 50 % busy, tensor pipe 48 %, L2 63 %:
 latency-bound by the one-warpgroup-per-CTA structure (no producer/consumer ping-pong in Triton 3.6).
@@ -95,7 +99,7 @@ DEFAULT_CONFIG = {"BLOCK_M": 64, "BLOCK_N": 128, "num_warps": 4, "num_stages": 3
                   "PV_FP8": True, "V_MEAN": False, "WS": False, "IMPRECISE": None,
                   "TMA": False, "QPRE": False, "ROWSUM_MMA": False, "MAXNREG": None}
 # Hopper (compute capability 9.x), measured on the H200 (benchmarks/results/bench_attention_int8_h200.md,
-# runs 6-8): (largest key length or None, changes from DEFAULT_CONFIG); the first row that fits is used.
+# runs 6-9): (largest key length or None, changes from DEFAULT_CONFIG); the first row that fits is used.
 # 3 CTAs per SM (<= 168 registers, ~76 KB shared memory), K/V through TMA, Q quantized by its
 # pre-kernel (its int8 tile is read by the tensor cores from shared memory), row sums on the tensor cores.
 HOPPER_CONFIGS = (
@@ -160,6 +164,15 @@ if triton is not None:
             tl.store(VQ + base + offs_n[:, None] * HEAD_DIM + offs_d[None, :], v.to(tl.bfloat16))
 
     @triton.jit
+    def _quant_q_block(qp, row_ok, qk_scale):
+        """One block of Q rows (pointers ``qp`` [BLOCK_M, D], rows with ``row_ok`` False read as 0) -> (int8
+        codes with one max|q|/127 scale, the block's score scale ``max|q| / 127 * qk_scale``)."""
+        q = tl.load(qp, mask=row_ok[:, None], other=0.0).to(tl.float32)
+        amax = tl.max(tl.max(tl.abs(q), 1), 0)
+        inv = tl.where(amax > 0, 127.0 / amax, 0.0)
+        return _round_i8(q * inv, 127.0), (amax / 127.0) * qk_scale
+
+    @triton.jit
     def _quant_q_kernel(Q, Q8, QS, sqb, sqh, sqm, sqd, H, N_Q, N_QPAD, qk_scale,
                         HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr):
         """Q per block of BLOCK_M rows -> int8 [B*H, N_QPAD, D] (rows past N_Q zero) and the block's
@@ -172,12 +185,9 @@ if triton is not None:
         offs_m = i * BLOCK_M + tl.arange(0, BLOCK_M)
         offs_d = tl.arange(0, HEAD_DIM)
         qp = Q + b.to(tl.int64) * sqb + h.to(tl.int64) * sqh + offs_m[:, None].to(tl.int64) * sqm + offs_d[None, :] * sqd
-        q = tl.load(qp, mask=(offs_m < N_Q)[:, None], other=0.0).to(tl.float32)
-        amax = tl.max(tl.max(tl.abs(q), 1), 0)
-        inv = tl.where(amax > 0, 127.0 / amax, 0.0)
-        q8 = _round_i8(q * inv, 127.0)
+        q8, qc = _quant_q_block(qp, offs_m < N_Q, qk_scale)
         tl.store(Q8 + bh.to(tl.int64) * N_QPAD * HEAD_DIM + offs_m[:, None] * HEAD_DIM + offs_d[None, :], q8)
-        tl.store(QS + bh * (N_QPAD // BLOCK_M) + i, (amax / 127.0) * qk_scale)
+        tl.store(QS + bh * (N_QPAD // BLOCK_M) + i, qc)
 
     @triton.jit
     def _scores(q8, K8, k_ptrs, k_row, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, MAGIC: tl.constexpr,
@@ -279,11 +289,7 @@ if triton is not None:
             qc = tl.load(QS + bh * (N_QPAD // BLOCK_M) + pid_m)
         else:
             qp = Q + b.to(tl.int64) * sqb + h.to(tl.int64) * sqh + offs_m[:, None].to(tl.int64) * sqm + offs_d[None, :] * sqd
-            q = tl.load(qp, mask=(offs_m < N_Q)[:, None], other=0.0).to(tl.float32)
-            amax = tl.max(tl.max(tl.abs(q), 1), 0)
-            inv = tl.where(amax > 0, 127.0 / amax, 0.0)
-            q8 = _round_i8(q * inv, 127.0)
-            qc = (amax / 127.0) * qk_scale
+            q8, qc = _quant_q_block(qp, offs_m < N_Q, qk_scale)
         m_i = tl.zeros([BLOCK_M], dtype=tl.float32) - float("inf")
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
         if ROWSUM_MMA:
@@ -360,6 +366,17 @@ def _cfg(config: dict | None) -> dict:
         if unknown:
             raise ValueError(f"attention_int8: unknown config keys {sorted(unknown)}; expected {sorted(c)}")
         c.update(config)
+    for key in ("BLOCK_M", "BLOCK_N"):
+        b = c[key]
+        if not isinstance(b, int) or isinstance(b, bool) or b < 16 or b & (b - 1):
+            raise ValueError(f"attention_int8: config {key}={b!r}; expected a power of two >= 16")
+    if c["num_warps"] not in (4, 8):
+        raise ValueError(f"attention_int8: config num_warps={c['num_warps']!r}; expected 4 or 8")
+    if not isinstance(c["num_stages"], int) or isinstance(c["num_stages"], bool) or c["num_stages"] < 1:
+        raise ValueError(f"attention_int8: config num_stages={c['num_stages']!r}; expected an int >= 1")
+    mr = c["MAXNREG"]
+    if mr is not None and (not isinstance(mr, int) or isinstance(mr, bool) or not 24 <= mr <= 255):
+        raise ValueError(f"attention_int8: config MAXNREG={mr!r}; expected None or an int in [24, 255]")
     if c["ROWSUM_MMA"] and not c["PV_FP8"]:
         raise ValueError("attention_int8: ROWSUM_MMA needs PV_FP8 (the row sum runs on the e4m3 P)")
     return c
@@ -415,16 +432,26 @@ _ONES: dict = {}
 def _ones_e4m3(device, block_n: int) -> torch.Tensor:
     """A cached [16, block_n] e4m3 tensor of ones on ``device`` (the B operand of the ROWSUM_MMA row sum)."""
     key = (str(device), block_n)
-    if key not in _ONES:
-        _ONES[key] = torch.ones(16, block_n, device=device).to(torch.float8_e4m3fn)
-    return _ONES[key]
+    t = _ONES.get(key)
+    if t is None:
+        t = torch.ones(16, block_n, device=device).to(torch.float8_e4m3fn)
+        capturing = torch.device(device).type == "cuda" and torch.cuda.is_current_stream_capturing()
+        if not capturing:   # a tensor made during CUDA-graph capture is only filled on replay: never cache it
+            _ONES[key] = t
+    return t
 
 
 def quantize_q(q: torch.Tensor, qk_scale: float, config: dict | None = None):
     """Pre-kernel (QPRE): q [B, H, L, D] (bf16/fp16, any strides) -> (``q8`` int8 [B*H, L_pad, D] per block
     of BLOCK_M rows, rows past L zero; ``qs`` float32 [B*H, L_pad / BLOCK_M] = ``max|q| / 127 * qk_scale``;
     ``L_pad``). The same float32 math as the attention kernel's own quantization."""
+    if triton is None:
+        raise RuntimeError(f"attention_int8: triton unavailable ({_TRITON_ERROR})")
     c = _cfg(config)
+    if not isinstance(q, torch.Tensor) or q.ndim != 4 or q.shape[-1] not in SUPPORTED_HEAD_DIMS \
+            or q.dtype not in SUPPORTED_DTYPES or q.shape[2] < 1:
+        raise ValueError(f"attention_int8.quantize_q: q must be a [B, H, L>=1, D in {SUPPORTED_HEAD_DIMS}] "
+                         f"bf16/fp16 tensor, got {getattr(q, 'shape', type(q).__name__)} {getattr(q, 'dtype', '')}")
     B, H, L, D = q.shape
     bm = c["BLOCK_M"]
     npad = triton.cdiv(L, bm) * bm
@@ -448,7 +475,11 @@ def sage_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: flo
     """
     if triton is None:
         raise RuntimeError(f"attention_int8: triton unavailable ({_TRITON_ERROR})")
-    c = _cfg(config if config is not None else tuned_config(q.device, k.shape[2] if k.ndim == 4 else 0))
+    if not all(isinstance(t, torch.Tensor) for t in (q, k, v)):
+        raise ValueError(f"attention_int8: q, k, v must be tensors, got {type(q).__name__}, {type(k).__name__}, "
+                         f"{type(v).__name__}")
+    if not (q.device == k.device == v.device):
+        raise ValueError(f"attention_int8: q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
     if q.ndim != 4 or k.ndim != 4 or v.ndim != 4:
         raise ValueError(f"attention_int8: q, k, v must be 4-D [B, H, L, D], got {tuple(q.shape)}, "
                          f"{tuple(k.shape)}, {tuple(v.shape)}")
@@ -462,9 +493,13 @@ def sage_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: flo
         raise ValueError(f"attention_int8: dtypes {q.dtype}, {k.dtype}, {v.dtype}; expected one of {SUPPORTED_DTYPES}")
     Lk = k.shape[2]
     if Lq < 1 or Lk < 1:
-        raise ValueError("attention_int8: empty sequence")
+        raise ValueError(f"attention_int8: empty sequence: q {tuple(q.shape)}, k {tuple(k.shape)} (L >= 1 expected)")
+    c = _cfg(config if config is not None else tuned_config(q.device, Lk))
     sm = (D ** -0.5) if scale is None else float(scale)
-    kv = quantize_kv(k, v, c)
+    if not math.isfinite(sm):
+        raise ValueError(f"attention_int8: scale {scale!r} is not finite")
+    if sm < 0:   # softmax(q k^T s) = softmax((-q) k^T |s|): the kernel's max and MAGIC offset assume s >= 0
+        q, sm = -q, -sm
     if out_layout == "bhld":
         shape = (B, H, Lq, D)
     elif out_layout == "blhd":
@@ -473,8 +508,11 @@ def sage_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: flo
         raise ValueError(f"attention_int8: out_layout {out_layout!r} not in ('bhld', 'blhd')")
     if out is None:
         out = torch.empty(shape, device=q.device, dtype=q.dtype)
-    elif tuple(out.shape) != shape or out.dtype != q.dtype or not out.is_contiguous():
-        raise ValueError(f"attention_int8: out must be contiguous {shape} {q.dtype}")
+    elif tuple(out.shape) != shape or out.dtype != q.dtype or not out.is_contiguous() or out.device != q.device:
+        raise ValueError(f"attention_int8: out must be a contiguous {shape} {q.dtype} tensor on {q.device}, got "
+                         f"{tuple(out.shape)} {out.dtype} on {out.device}"
+                         f"{'' if out.is_contiguous() else ' (not contiguous)'}")
+    kv = quantize_kv(k, v, c)
     if out_layout == "bhld":
         so = out.stride()
     else:
@@ -553,7 +591,8 @@ def quantize_reference(q, k, v, config: dict | None = None):
 def sage_reference(q, k, v, scale: float | None = None, config: dict | None = None, rows=None,
                    quant: dict | None = None) -> torch.Tensor:
     """float64 model of the kernel's math (module docstring), key block by key block with the same
-    running maxima, P * 448 rounded to e4m3 (or bf16) before P V, float64 everywhere else.
+    running maxima, P * 448 rounded to e4m3 (or bf16) before P V, float64 everywhere else (the GPU's fp8
+    MMA sums each key block with ~14-bit precision, which this model does not reproduce).
     q, k, v [B, H, L, D]; ``rows``: optional index tensor of query rows (default all).
     Returns float64 [B*H, r, D]."""
     c = _cfg(config)
@@ -640,6 +679,8 @@ class Int8SageAttention:
         if q.dtype not in SUPPORTED_DTYPES:
             return self._fall(f"dtype {q.dtype} (8-bit kernel takes bf16/fp16)", func, args, kwargs)
         heads = int(heads)
+        if heads < 1:
+            return self._fall(f"heads={heads} (expected >= 1)", func, args, kwargs)
         if kwargs.get("skip_reshape", False):
             if q.ndim != 4 or k.ndim != 4 or v.ndim != 4:
                 return self._fall("skip_reshape inputs are not 4-D", func, args, kwargs)
@@ -653,15 +694,17 @@ class Int8SageAttention:
         B, H, Lq, D = q4.shape
         if D not in SUPPORTED_HEAD_DIMS:
             return self._fall(f"head dim {D} (8-bit kernel takes {SUPPORTED_HEAD_DIMS})", func, args, kwargs)
-        if k4.shape[:2] != (B, H) or v4.shape != k4.shape or k4.shape[-1] != D or Lq < 1 or k4.shape[2] < 1:
-            return self._fall("q/k/v shapes differ (cross-shape or GQA layout)", func, args, kwargs)
-        pv_fp8 = (self.config or DEFAULT_CONFIG)["PV_FP8"]
-        if q.device.type == "cuda" and pv_fp8 and torch.cuda.get_device_capability(q.device) < (8, 9):
+        if k4.shape[:2] != (B, H) or v4.shape != k4.shape or k4.shape[-1] != D:
+            return self._fall("q/k/v shapes differ (GQA or mismatched layout)", func, args, kwargs)
+        if Lq < 1 or k4.shape[2] < 1:
+            return self._fall("empty sequence", func, args, kwargs)
+        c = self.config if self.config is not None else tuned_config(q.device, k4.shape[2])
+        if q.device.type == "cuda" and c["PV_FP8"] and torch.cuda.get_device_capability(q.device) < (8, 9):
             cap = "%d.%d" % torch.cuda.get_device_capability(q.device)
             return self._fall(f"GPU compute capability {cap} has no FP8 tensor cores", func, args, kwargs)
         layout = "bhld" if kwargs.get("skip_output_reshape", False) else "blhd"
         try:
-            out = sage_attention(q4, k4, v4, scale=kwargs.get("scale", None), out_layout=layout, config=self.config)
+            out = sage_attention(q4, k4, v4, scale=kwargs.get("scale", None), out_layout=layout, config=c)
         except Exception as e:   # e.g. a Triton build failure on this GPU/driver: say so once, run exact
             return self._fall(f"8-bit kernel failed ({type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''})",
                               func, args, kwargs)

@@ -404,6 +404,17 @@ def _exact_tiled(x2d, p: PreparedExact, lora: tuple | None = None) -> torch.Tens
 _SCRATCH: dict = {}
 
 
+def release_workspace() -> int:
+    """Drop the reused per-call buffers (``_SCRATCH``, ``_TILE_BUFS``) of every device; they are allocated
+    again at the next call that needs them. Returns the bytes released. The loader calls this when ComfyUI
+    detaches (unloads) a model that uses the kernels, so the memory ComfyUI counted for them is freed."""
+    n = sum(b.numel() * b.element_size() for b in _SCRATCH.values())
+    n += sum(t.numel() * t.element_size() for bufs in _TILE_BUFS.values() for t in bufs)
+    _SCRATCH.clear()
+    _TILE_BUFS.clear()
+    return n
+
+
 def _scratch(device, dtype, numel: int) -> torch.Tensor:
     """A flat reusable buffer of >= numel elements per (device, dtype) for the per-call weight (grown to the
     largest layer; zero-filled when allocated so unused fp8 rows stay finite). Logged once per size."""

@@ -190,10 +190,24 @@ def _kernel_forward(m, x, path, lora=None):
     return dispatch.linear(x, m._h3_cache[1], path, bias)
 
 
+WORKSPACE_CALLBACK = "h3turbo_workspace"
+
+
+def _release_workspace_on_detach(patcher, unpatch_all=True) -> None:
+    """ComfyUI ``ON_DETACH`` callback: free ``kernels.dispatch``'s reused per-call buffers when a model that
+    uses them is unloaded (they are part of the size the loader reports, so ComfyUI expects them freed)."""
+    from ..kernels import dispatch
+
+    freed = dispatch.release_workspace()
+    if freed:
+        log.info("H3 Turbo: model unloaded, released %.0f MiB of kernel work buffers", freed / 2**20)
+
+
 def install_compute(model_patcher, path: str) -> int:
     """Route the NVFP4 block projections of ``model_patcher``'s H3 through ``kernels.dispatch`` with
     ``path`` ("exact", "fp8", "blackwell_fp4"; "reference" restores core's forward). Returns the number
-    of layers switched; RuntimeError if the model was not built with :func:`make_operations`."""
+    of layers switched; RuntimeError if the model was not built with :func:`make_operations`. For a kernel
+    path the patcher also gets an ``ON_DETACH`` callback that frees the kernels' work buffers on unload."""
     dm = model_patcher.model.diffusion_model
     n = 0
     for name, mod in dm.named_modules():
@@ -205,10 +219,19 @@ def install_compute(model_patcher, path: str) -> int:
             mod._h3_path = None if path == "reference" else path
             mod._h3_cache = None
             n += 1
+    if path != "reference":
+        from comfy.patcher_extension import CallbacksMP
+
+        model_patcher.remove_callbacks_with_key(CallbacksMP.ON_DETACH, WORKSPACE_CALLBACK)   # once per patcher
+        model_patcher.add_callback_with_key(CallbacksMP.ON_DETACH, WORKSPACE_CALLBACK, _release_workspace_on_detach)
     return n
 
 
 PROJ_SUFFIXES = ("attn.qkv_proj", "attn.out_proj", "mlp.fc1", "mlp.fc2")
+
+
+def _roundup(x: int, m: int) -> int:
+    return (x + m - 1) // m * m
 
 
 def kernel_extra_bytes(shapes: list[tuple[int, int]], path: str) -> int:
@@ -217,9 +240,7 @@ def kernel_extra_bytes(shapes: list[tuple[int, int]], path: str) -> int:
     shapes: logical [N, K] of every NVFP4 layer. exact: split-packed codes N*Kp/2 + plain scales N*Kp/16
     + 4; fp8: e4m3 weight roundup(N,16)*K + fp32 row scales 4*roundup(N,16); reference/blackwell_fp4: 0.
     """
-    def r(x, m):
-        return (x + m - 1) // m * m
-
+    r = _roundup
     if path == "exact":
         return sum(n * r(k, 16) // 2 + n * r(k, 16) // 16 + 4 for n, k in shapes)
     if path == "fp8":
@@ -232,12 +253,13 @@ def kernel_workspace_bytes(shapes: list[tuple[int, int]], path: str, act_bytes: 
     first use, kept): exact: the whole-weight buffer of the largest layer (``_scratch``, N*K activations) plus
     the row-tile double buffers (``_TILE_BUFS``, 2 x min(TILE_ROWS, N) x K per distinct tile shape); fp8: the
     per-call LoRA fold buffer (e4m3 roundup(N,16)*K + fp32 row scales) of the largest layer; others: 0.
-    ``act_bytes``: bytes per activation element (bf16/fp16: 2)."""
+    ``act_bytes``: bytes per activation element (bf16/fp16: 2). The buffers are shared by every model of the
+    process (one set per device and activation dtype) and freed when a model using them is unloaded
+    (:func:`install_compute`'s ``ON_DETACH`` callback); each model counts them, which over-reserves when two
+    H3 models are loaded at once."""
     from ..kernels.dispatch import TILE_ROWS
 
-    def r(x, m):
-        return (x + m - 1) // m * m
-
+    r = _roundup
     if not shapes:
         return 0
     if path == "exact":
@@ -313,6 +335,7 @@ def load_h3_model(path: str, compute: str = "auto", disable_dynamic: bool = Fals
     if keep_fp32_island:
         model_options["custom_operations"] = make_operations(load_device)
     kernels = cpath != "reference"
+    extra = work_b = 0
     if kernels and not disable_dynamic:
         # DynamicVRAM streams every weight per call (comfy_cast_weights), which the kernels cannot use:
         # build with the classic ModelPatcher so the projections stay resident on the GPU.
@@ -339,7 +362,7 @@ def load_h3_model(path: str, compute: str = "auto", disable_dynamic: bool = Fals
                      checkpoint=os.path.basename(path), packed_bytes=packed)
     state.record_loaded_model(path, format=det.format, compute=cpath, packed_bytes=packed,
                               bytes=int(mp.model_size()), layers_nvfp4=work,
-                              kernel_extra_bytes=int(mp.model_size()) - int(mm.module_size(mp.model)))
+                              kernel_extra_bytes=extra, kernel_workspace_bytes=work_b)
     return mp
 
 

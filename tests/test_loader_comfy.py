@@ -308,6 +308,34 @@ def test_kernel_dispatch_plumbing_on_cpu(comfy, fixtures_dir, native_sample):
     assert install_compute(mp, "reference") == 208 and fc2._h3_path is None
 
 
+def test_kernel_work_buffers_released_on_unload(comfy, fixtures_dir):
+    """A kernel path registers one ON_DETACH callback (re-installing does not add a second); ComfyUI's
+    detach (model unload) then frees kernels.dispatch's reused per-call buffers, which the loader counted in
+    the model's size. The reference path registers none."""
+    from comfy.patcher_extension import CallbacksMP
+
+    from h3_turbo.kernels import dispatch
+    from h3_turbo.nodes.loader import WORKSPACE_CALLBACK, install_compute, load_h3_model
+
+    mp = load_h3_model(fixtures_dir["nvfp4"], "reference")
+    assert mp.get_callbacks(CallbacksMP.ON_DETACH, WORKSPACE_CALLBACK) == []
+    install_compute(mp, "exact")
+    install_compute(mp, "fp8")
+    assert len(mp.get_callbacks(CallbacksMP.ON_DETACH, WORKSPACE_CALLBACK)) == 1
+    clone = mp.clone()                               # e.g. the Turbo LoRA node's patcher
+    assert len(clone.get_callbacks(CallbacksMP.ON_DETACH, WORKSPACE_CALLBACK)) == 1
+    dispatch._scratch("cpu", torch.bfloat16, 1000)    # what a GPU call leaves behind
+    dispatch._TILE_BUFS[("cpu", torch.bfloat16, 8, 16)] = [torch.empty(8, 16, dtype=torch.bfloat16)] * 2
+    try:
+        clone.detach()
+        assert dispatch._SCRATCH == {} and dispatch._TILE_BUFS == {}
+        assert dispatch.release_workspace() == 0
+    finally:
+        dispatch._SCRATCH.clear()
+        dispatch._TILE_BUFS.clear()
+    install_compute(mp, "reference")
+
+
 def test_kernel_extra_bytes_accounting(comfy):
     from h3_turbo.nodes.loader import kernel_extra_bytes
 

@@ -7,9 +7,23 @@ A contract travels with the MODEL in ``model_options["h3_turbo"]["contract"]`` (
 from __future__ import annotations
 
 import copy
+import os
 from dataclasses import asdict, dataclass, field
 
 MODEL_OPTIONS_KEY = "h3_turbo"
+
+
+class AdapterFileNames:
+    """Mixin for adapter records that hold ``path`` (the adapter file) and ``contract``
+    (:class:`TurboContract`): ``file`` (the file's base name) and ``variant`` (the contract's)."""
+
+    @property
+    def file(self) -> str:
+        return os.path.basename(self.path)
+
+    @property
+    def variant(self) -> str:
+        return self.contract.variant
 
 
 @dataclass(frozen=True)

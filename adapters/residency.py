@@ -39,7 +39,7 @@ _cache: "OrderedDict[str, ResidentAdapter]" = OrderedDict()
 
 
 @dataclass
-class ResidentAdapter:
+class ResidentAdapter(contracts.AdapterFileNames):
     """A loaded, validated (model-independently) adapter. ``key`` = SHA-256 of the file."""
 
     key: str
@@ -50,14 +50,6 @@ class ResidentAdapter:
     module: AdapterModule
     notes: list[str] = field(default_factory=list)
     _patcher: object = None
-
-    @property
-    def file(self) -> str:
-        return os.path.basename(self.path)
-
-    @property
-    def variant(self) -> str:
-        return self.contract.variant
 
     @property
     def nbytes(self) -> int:

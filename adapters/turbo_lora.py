@@ -157,7 +157,7 @@ class TargetLoRA:
 
 
 @dataclass
-class TurboLoRA:
+class TurboLoRA(contracts.AdapterFileNames):
     """A Turbo LoRA file in canonical form. ``targets``: {target: TargetLoRA}; ``nbytes``: tensor bytes.
 
     ``layout``: "comfy" or "diffusers" (converted); ``key_style``: "diffusion_model." / "bare" / "peft" /
@@ -173,14 +173,6 @@ class TurboLoRA:
     contract: contracts.TurboContract
     nbytes: int
     notes: list[str] = field(default_factory=list)
-
-    @property
-    def file(self) -> str:
-        return os.path.basename(self.path)
-
-    @property
-    def variant(self) -> str:
-        return self.contract.variant
 
     def validate_for(self, dims: dict[str, tuple[int, int]]) -> None:
         """Check this adapter against a model's targets ``{target: (out, in)}`` (see :func:`model_target_dims`).

@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .nvfp4 import roundup
 from .safetensors_io import CheckpointError, Header, TensorInfo, open_tensors
 
 PROJECTIONS = ("attn.qkv_proj", "attn.out_proj", "mlp.fc1", "mlp.fc2")
@@ -47,10 +48,6 @@ CORE_QUANT_FORMATS = ("float8_e4m3fn", "float8_e5m2", "nvfp4", "mxfp8", "int8_te
 NEVER_QUANTIZE = ("condition_proj", "time_embedder.proj_in", "time_embedder.proj_out")
 FP32_ISLAND = ("video_patch_proj", "audio_patch_proj", "time_embedder.proj_in", "time_embedder.proj_out",
                "final_layer.video_out", "final_layer.audio_out")
-
-
-def roundup(x: int, m: int) -> int:
-    return (x + m - 1) // m * m
 
 
 @dataclass

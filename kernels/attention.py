@@ -200,6 +200,54 @@ def sdpa_with(name: str, q, k, v, scale=None, fallbacks: Sequence[str] = ()) -> 
         return torch.nn.functional.scaled_dot_product_attention(q, k, v, dropout_p=0.0, is_causal=False, **kw)
 
 
+@dataclass
+class CoreCall:
+    """One call of core's attention, ``func(q, k, v, heads, mask=None, **kwargs)``, as [B, H, L, D] views."""
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    scale: float | None
+    skip_output_reshape: bool
+
+
+def parse_core_call(args: tuple, kwargs: dict, devices: Sequence[str]) -> CoreCall | str:
+    """Read the arguments core's ``wrap_attn`` hands an override (``comfy/ldm/modules/attention.py``):
+    q, k, v [B, L, heads*D] (or [B, heads, L, D] with ``skip_reshape``), ``heads``, an optional mask.
+    Returns the q/k/v as [B, H, L, D] (views wherever the strides allow) with ``scale`` and ``skip_output_reshape``, or, for
+    a call an override should hand on, the reason as a string: another call signature, non-tensors, a
+    device type not in ``devices``, a mask, grouped-query attention, mixed dtypes/devices, heads < 1, or
+    inputs of another rank/width."""
+    if len(args) < 4:
+        return "non-standard call signature"
+    if len(args) > 5:
+        return "positional arguments past mask"
+    q, k, v, heads = args[:4]
+    mask = args[4] if len(args) > 4 else kwargs.get("mask")
+    if not all(isinstance(t, torch.Tensor) for t in (q, k, v)):
+        return "inputs are not tensors"
+    if q.device.type not in devices:
+        return f"device type {q.device.type!r}"
+    if mask is not None:
+        return "attention mask given"
+    if kwargs.get("enable_gqa", False):
+        return "grouped-query attention"
+    if not (q.dtype == k.dtype == v.dtype and q.device == k.device == v.device):
+        return "q/k/v dtype or device differ"
+    heads = int(heads)
+    if heads < 1:
+        return f"heads={heads} (expected >= 1)"
+    if kwargs.get("skip_reshape", False):
+        if q.ndim != 4 or k.ndim != 4 or v.ndim != 4:
+            return "skip_reshape inputs are not 4-D"
+    else:
+        if q.ndim != 3 or k.ndim != 3 or v.ndim != 3 or q.shape[-1] % heads or k.shape[-1] != q.shape[-1] \
+                or v.shape[-1] != q.shape[-1]:
+            return "inputs are not [B, L, heads*D]"
+        dh = q.shape[-1] // heads
+        q, k, v = (t.reshape(t.shape[0], t.shape[1], heads, dh).transpose(1, 2) for t in (q, k, v))
+    return CoreCall(q, k, v, kwargs.get("scale", None), bool(kwargs.get("skip_output_reshape", False)))
+
+
 class ExactAttention:
     """Core attention override ``override(func, q, k, v, heads, **kwargs)`` running exact SDPA with the
     fastest backend measured on this device (see module docstring).
@@ -234,37 +282,12 @@ class ExactAttention:
         return func(*args, **kwargs)
 
     def __call__(self, func: Callable, *args, **kwargs):
-        if len(args) < 4:
-            return self._delegate("non-standard call signature", func, args, kwargs)
-        q, k, v, heads = args[:4]
-        mask = args[4] if len(args) > 4 else kwargs.get("mask")
-        if not all(isinstance(t, torch.Tensor) for t in (q, k, v)):
-            return self._delegate("inputs are not tensors", func, args, kwargs)
-        if q.device.type not in self.devices:
-            return self._delegate(f"device type {q.device.type!r}", func, args, kwargs)
-        if mask is not None:
-            return self._delegate("attention mask given", func, args, kwargs)
-        if kwargs.get("enable_gqa", False):
-            return self._delegate("grouped-query attention", func, args, kwargs)
-        if len(args) > 5:
-            return self._delegate("positional arguments past mask", func, args, kwargs)
-        if not (q.dtype == k.dtype == v.dtype and q.device == k.device == v.device):
-            return self._delegate("q/k/v dtype or device differ", func, args, kwargs)
-        skip_reshape = bool(kwargs.get("skip_reshape", False))
-        skip_output_reshape = bool(kwargs.get("skip_output_reshape", False))
-        heads = int(heads)
-        if skip_reshape:
-            if q.ndim != 4 or k.ndim != 4 or v.ndim != 4:
-                return self._delegate("skip_reshape inputs are not 4-D", func, args, kwargs)
-            b, _, _, dim_head = q.shape
-        else:
-            if q.ndim != 3 or k.ndim != 3 or v.ndim != 3 or q.shape[-1] % heads or k.shape[-1] != q.shape[-1] \
-                    or v.shape[-1] != q.shape[-1]:
-                return self._delegate("inputs are not [B, L, heads*D]", func, args, kwargs)
-            b = q.shape[0]
-            dim_head = q.shape[-1] // heads
-            q, k, v = (t.view(b, -1, heads, dim_head).transpose(1, 2) for t in (q, k, v))
-        scale = kwargs.get("scale", None)
+        call = parse_core_call(args, kwargs, self.devices)
+        if isinstance(call, str):
+            return self._delegate(call, func, args, kwargs)
+        q, k, v = call.q, call.k, call.v
+        b, heads, _, dim_head = q.shape
+        scale = call.scale
         best = self.chooser.choose(shape_key(q, k), self.candidates,
                                    lambda c: sdpa_with(c, q, k, v, scale=scale))
         if best is None:
@@ -272,7 +295,7 @@ class ExactAttention:
                                   func, args, kwargs)
         self.calls += 1
         out = sdpa_with(best, q, k, v, scale=scale, fallbacks=self.candidates)
-        if not skip_output_reshape:
+        if not call.skip_output_reshape:
             out = out.transpose(1, 2).reshape(b, -1, heads * dim_head)
         return out
 

@@ -121,6 +121,12 @@ if triton is not None:
     from .triton_interp import rne_bf16 as _rne_bf16, rne_e4m3 as _rne_e4m3, rne_f16 as _rne_f16
 
     @triton.jit
+    def _bhld_ptrs(X, b, h, offs_l, offs_d, sb, sh, sl, sd):
+        """Pointers [len(offs_l), len(offs_d)] into a [B, H, L, D] tensor of any strides (64-bit offsets)."""
+        return (X + b.to(tl.int64) * sb + h.to(tl.int64) * sh + offs_l[:, None].to(tl.int64) * sl
+                + offs_d[None, :] * sd)
+
+    @triton.jit
     def _quant_kv_kernel(K, V, KM, VM, VINV, K8, KS, VQ,
                          skb, skh, skn, skd, svb, svh, svn, svd,
                          H, N_K, N_KPAD,
@@ -135,7 +141,7 @@ if triton is not None:
         valid = (offs_n < N_K)[:, None]
         nb = N_KPAD // BLOCK_N
         # ---- K: smooth, per-block int8
-        kp = K + b.to(tl.int64) * skb + h.to(tl.int64) * skh + offs_n[:, None].to(tl.int64) * skn + offs_d[None, :] * skd
+        kp = _bhld_ptrs(K, b, h, offs_n, offs_d, skb, skh, skn, skd)
         k = tl.load(kp, mask=valid, other=0.0).to(tl.float32)
         km = tl.load(KM + bh * HEAD_DIM + offs_d)
         k = tl.where(valid, k - km[None, :], 0.0)
@@ -146,7 +152,7 @@ if triton is not None:
         tl.store(K8 + base + offs_n[:, None] * HEAD_DIM + offs_d[None, :], k8)
         tl.store(KS + bh * nb + j, amax / 127.0)
         # ---- V
-        vp = V + b.to(tl.int64) * svb + h.to(tl.int64) * svh + offs_n[:, None].to(tl.int64) * svn + offs_d[None, :] * svd
+        vp = _bhld_ptrs(V, b, h, offs_n, offs_d, svb, svh, svn, svd)
         v = tl.load(vp, mask=valid, other=0.0).to(tl.float32)
         if V_MEAN:
             vm = tl.load(VM + bh * HEAD_DIM + offs_d)
@@ -184,7 +190,7 @@ if triton is not None:
         h = bh % H
         offs_m = i * BLOCK_M + tl.arange(0, BLOCK_M)
         offs_d = tl.arange(0, HEAD_DIM)
-        qp = Q + b.to(tl.int64) * sqb + h.to(tl.int64) * sqh + offs_m[:, None].to(tl.int64) * sqm + offs_d[None, :] * sqd
+        qp = _bhld_ptrs(Q, b, h, offs_m, offs_d, sqb, sqh, sqm, sqd)
         q8, qc = _quant_q_block(qp, offs_m < N_Q, qk_scale)
         tl.store(Q8 + bh.to(tl.int64) * N_QPAD * HEAD_DIM + offs_m[:, None] * HEAD_DIM + offs_d[None, :], q8)
         tl.store(QS + bh * (N_QPAD // BLOCK_M) + i, qc)
@@ -288,7 +294,7 @@ if triton is not None:
             q8 = tl.load(Q8 + bh.to(tl.int64) * N_QPAD * HEAD_DIM + offs_m[:, None] * HEAD_DIM + offs_d[None, :])
             qc = tl.load(QS + bh * (N_QPAD // BLOCK_M) + pid_m)
         else:
-            qp = Q + b.to(tl.int64) * sqb + h.to(tl.int64) * sqh + offs_m[:, None].to(tl.int64) * sqm + offs_d[None, :] * sqd
+            qp = _bhld_ptrs(Q, b, h, offs_m, offs_d, sqb, sqh, sqm, sqd)
             q8, qc = _quant_q_block(qp, offs_m < N_Q, qk_scale)
         m_i = tl.zeros([BLOCK_M], dtype=tl.float32) - float("inf")
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -341,7 +347,7 @@ if triton is not None:
                 out = _rne_bf16(out)
             else:
                 out = _rne_f16(out)
-        op = OUT + b.to(tl.int64) * sob + h.to(tl.int64) * soh + offs_m[:, None].to(tl.int64) * som + offs_d[None, :] * sod
+        op = _bhld_ptrs(OUT, b, h, offs_m, offs_d, sob, soh, som, sod)
         tl.store(op, out.to(OUT.dtype.element_ty), mask=(offs_m < N_Q)[:, None])
 
 
@@ -662,35 +668,12 @@ class Int8SageAttention:
     def __call__(self, func: Callable, *args, **kwargs):
         if triton is None:
             return self._fall(f"triton unavailable ({_TRITON_ERROR})", func, args, kwargs)
-        if len(args) < 4 or len(args) > 5:
-            return self._fall("non-standard call signature", func, args, kwargs)
-        q, k, v, heads = args[:4]
-        mask = args[4] if len(args) > 4 else kwargs.get("mask")
-        if not all(isinstance(t, torch.Tensor) for t in (q, k, v)):
-            return self._fall("inputs are not tensors", func, args, kwargs)
-        if q.device.type not in self.devices:
-            return self._fall(f"device type {q.device.type!r}", func, args, kwargs)
-        if mask is not None:
-            return self._fall("attention mask given", func, args, kwargs)
-        if kwargs.get("enable_gqa", False):
-            return self._fall("grouped-query attention", func, args, kwargs)
-        if not (q.dtype == k.dtype == v.dtype and q.device == k.device == v.device):
-            return self._fall("q/k/v dtype or device differ", func, args, kwargs)
-        if q.dtype not in SUPPORTED_DTYPES:
-            return self._fall(f"dtype {q.dtype} (8-bit kernel takes bf16/fp16)", func, args, kwargs)
-        heads = int(heads)
-        if heads < 1:
-            return self._fall(f"heads={heads} (expected >= 1)", func, args, kwargs)
-        if kwargs.get("skip_reshape", False):
-            if q.ndim != 4 or k.ndim != 4 or v.ndim != 4:
-                return self._fall("skip_reshape inputs are not 4-D", func, args, kwargs)
-            q4, k4, v4 = q, k, v
-        else:
-            if q.ndim != 3 or k.ndim != 3 or v.ndim != 3 or q.shape[-1] % heads or k.shape[-1] != q.shape[-1] \
-                    or v.shape[-1] != q.shape[-1]:
-                return self._fall("inputs are not [B, L, heads*D]", func, args, kwargs)
-            dh = q.shape[-1] // heads
-            q4, k4, v4 = (t.reshape(t.shape[0], t.shape[1], heads, dh).transpose(1, 2) for t in (q, k, v))
+        call = _exact.parse_core_call(args, kwargs, self.devices)
+        if isinstance(call, str):
+            return self._fall(call, func, args, kwargs)
+        q4, k4, v4 = call.q, call.k, call.v
+        if q4.dtype not in SUPPORTED_DTYPES:
+            return self._fall(f"dtype {q4.dtype} (8-bit kernel takes bf16/fp16)", func, args, kwargs)
         B, H, Lq, D = q4.shape
         if D not in SUPPORTED_HEAD_DIMS:
             return self._fall(f"head dim {D} (8-bit kernel takes {SUPPORTED_HEAD_DIMS})", func, args, kwargs)
@@ -698,13 +681,14 @@ class Int8SageAttention:
             return self._fall("q/k/v shapes differ (GQA or mismatched layout)", func, args, kwargs)
         if Lq < 1 or k4.shape[2] < 1:
             return self._fall("empty sequence", func, args, kwargs)
-        c = self.config if self.config is not None else tuned_config(q.device, k4.shape[2])
-        if q.device.type == "cuda" and c["PV_FP8"] and torch.cuda.get_device_capability(q.device) < (8, 9):
-            cap = "%d.%d" % torch.cuda.get_device_capability(q.device)
+        dev = q4.device
+        c = self.config if self.config is not None else tuned_config(dev, k4.shape[2])
+        if dev.type == "cuda" and c["PV_FP8"] and torch.cuda.get_device_capability(dev) < (8, 9):
+            cap = "%d.%d" % torch.cuda.get_device_capability(dev)
             return self._fall(f"GPU compute capability {cap} has no FP8 tensor cores", func, args, kwargs)
-        layout = "bhld" if kwargs.get("skip_output_reshape", False) else "blhd"
+        layout = "bhld" if call.skip_output_reshape else "blhd"
         try:
-            out = sage_attention(q4, k4, v4, scale=kwargs.get("scale", None), out_layout=layout, config=c)
+            out = sage_attention(q4, k4, v4, scale=call.scale, out_layout=layout, config=c)
         except Exception as e:   # e.g. a Triton build failure on this GPU/driver: say so once, run exact
             return self._fall(f"8-bit kernel failed ({type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''})",
                               func, args, kwargs)

@@ -404,6 +404,28 @@ def _exact_tiled(x2d, p: PreparedExact, lora: tuple | None = None) -> torch.Tens
 _SCRATCH: dict = {}
 
 
+def workspace_bytes(shapes: list[tuple[int, int]], path: str, act_bytes: int = 2) -> int:
+    """GPU bytes of the per-process buffers this module reuses across layers for ``path`` (allocated at
+    first use, kept until :func:`release_workspace`). shapes: logical [N, K] of every NVFP4 layer.
+    exact: the largest layer's whole-weight buffer (``_scratch``, N*K activations) plus the row-tile double
+    buffers (``_TILE_BUFS``, 2 x min(TILE_ROWS, N) x K per distinct tile shape); fp8: the largest layer's
+    per-call LoRA fold buffer (e4m3 roundup(N,16)*K + fp32 row scales); others: 0. ``act_bytes``: bytes per
+    activation element (bf16/fp16: 2). The buffers are shared by every model of the process (one set per
+    device and activation dtype) and freed when a model using them is unloaded (the ``ON_DETACH`` callback
+    of ``nodes.loader.install_compute``); each model counts them, so two H3 models loaded at once
+    over-reserve."""
+    from ..formats.nvfp4 import roundup as r
+
+    if not shapes:
+        return 0
+    if path == "exact":
+        tiles = {(min(TILE_ROWS, n), k) for n, k in shapes}
+        return max(n * k for n, k in shapes) * act_bytes + sum(2 * t * k * act_bytes for t, k in tiles)
+    if path == "fp8":
+        return max(r(n, 16) * k for n, k in shapes) + 4 * max(r(n, 16) for n, _ in shapes)
+    return 0
+
+
 def release_workspace() -> int:
     """Drop the reused per-call buffers (``_SCRATCH``, ``_TILE_BUFS``) of every device; they are allocated
     again at the next call that needs them. Returns the bytes released. The loader calls this when ComfyUI

@@ -24,6 +24,7 @@ from .. import state
 from ..adapters import contracts
 from ..formats.convert import iter_native, make_plan, native_metadata
 from ..formats.detect import Detection, detect
+from ..formats.nvfp4 import roundup
 from ..formats.safetensors_io import CheckpointError, read_header
 
 log = logging.getLogger("h3_turbo")
@@ -230,43 +231,17 @@ def install_compute(model_patcher, path: str) -> int:
 PROJ_SUFFIXES = ("attn.qkv_proj", "attn.out_proj", "mlp.fc1", "mlp.fc2")
 
 
-def _roundup(x: int, m: int) -> int:
-    return (x + m - 1) // m * m
-
-
 def kernel_extra_bytes(shapes: list[tuple[int, int]], path: str) -> int:
     """GPU bytes ``kernels.dispatch.prepare`` adds per model for ``path`` (kept beside the packed weight).
 
     shapes: logical [N, K] of every NVFP4 layer. exact: split-packed codes N*Kp/2 + plain scales N*Kp/16
     + 4; fp8: e4m3 weight roundup(N,16)*K + fp32 row scales 4*roundup(N,16); reference/blackwell_fp4: 0.
     """
-    r = _roundup
+    r = roundup
     if path == "exact":
         return sum(n * r(k, 16) // 2 + n * r(k, 16) // 16 + 4 for n, k in shapes)
     if path == "fp8":
         return sum(r(n, 16) * k + 4 * r(n, 16) for n, k in shapes)
-    return 0
-
-
-def kernel_workspace_bytes(shapes: list[tuple[int, int]], path: str, act_bytes: int = 2) -> int:
-    """GPU bytes of the per-process buffers ``kernels.dispatch`` reuses across layers for ``path`` (allocated at
-    first use, kept): exact: the whole-weight buffer of the largest layer (``_scratch``, N*K activations) plus
-    the row-tile double buffers (``_TILE_BUFS``, 2 x min(TILE_ROWS, N) x K per distinct tile shape); fp8: the
-    per-call LoRA fold buffer (e4m3 roundup(N,16)*K + fp32 row scales) of the largest layer; others: 0.
-    ``act_bytes``: bytes per activation element (bf16/fp16: 2). The buffers are shared by every model of the
-    process (one set per device and activation dtype) and freed when a model using them is unloaded
-    (:func:`install_compute`'s ``ON_DETACH`` callback); each model counts them, which over-reserves when two
-    H3 models are loaded at once."""
-    from ..kernels.dispatch import TILE_ROWS
-
-    r = _roundup
-    if not shapes:
-        return 0
-    if path == "exact":
-        tiles = {(min(TILE_ROWS, n), k) for n, k in shapes}
-        return max(n * k for n, k in shapes) * act_bytes + sum(2 * t * k * act_bytes for t, k in tiles)
-    if path == "fp8":
-        return max(r(n, 16) * k for n, k in shapes) + 4 * max(r(n, 16) for n, _ in shapes)
     return 0
 
 
@@ -352,7 +327,9 @@ def load_h3_model(path: str, compute: str = "auto", disable_dynamic: bool = Fals
         n = install_compute(mp, cpath)
         shapes = [(q.n, q.k) for q in det.quant_layers.values()]
         extra = kernel_extra_bytes(shapes, cpath)
-        work_b = kernel_workspace_bytes(shapes, cpath)
+        from ..kernels.dispatch import workspace_bytes
+
+        work_b = workspace_bytes(shapes, cpath)
         # what ComfyUI reserves: packed weights + the kernels' prepared copies + their reused work buffers
         mp.size = int(mp.model_size()) + extra + work_b
         _log_once(("installed", path, cpath), "H3 Turbo loader: %d NVFP4 projections use compute=%s "

@@ -9,6 +9,8 @@ import os
 import pytest
 import torch
 
+from corpus import euler_av_prompt  # noqa: E402  (tests/ is on sys.path)
+
 from h3_turbo.kernels import attention as A
 
 
@@ -274,17 +276,8 @@ def _prompt(prefix, with_node, backend="auto"):
     p = {
         "1": {"class_type": "UNETLoader", "inputs": {"unet_name": "h3_tiny_bf16.safetensors", "weight_dtype": "default"}},
         "2": {"class_type": "LoraLoaderModelOnly", "inputs": {"model": ["1", 0], "lora_name": "h3_tiny_turbo_4step_comfyui_bf16.safetensors", "strength_model": 1.0}},
-        "3": {"class_type": "MiniMaxH3SigmaShift", "inputs": {"model": ["2", 0], "shift_video": 6.0, "shift_audio": 3.0}},
-        "4": {"class_type": "H3TurboTestConditioning", "inputs": {"model": ["3", 0], "seed": 0, "tokens": 16}},
-        "5": {"class_type": "BasicGuider", "inputs": {"model": ["3", 0], "conditioning": ["4", 0]}},
-        "6": {"class_type": "BasicScheduler", "inputs": {"model": ["3", 0], "scheduler": "simple", "steps": 4, "denoise": 1.0}},
-        "7": {"class_type": "KSamplerSelect", "inputs": {"sampler_name": "euler"}},
-        "8": {"class_type": "RandomNoise", "inputs": {"noise_seed": 42}},
-        "9": {"class_type": "EmptyMiniMaxH3LatentAV", "inputs": {"width": 128, "height": 96, "length": 22}},
-        "10": {"class_type": "SamplerCustomAdvanced", "inputs": {"noise": ["8", 0], "guider": ["5", 0], "sampler": ["7", 0], "sigmas": ["6", 0], "latent_image": ["9", 0]}},
-        "11": {"class_type": "LTXVSeparateAVLatent", "inputs": {"av_latent": ["10", 0]}},
-        "12": {"class_type": "SaveLatent", "inputs": {"samples": ["11", 0], "filename_prefix": f"{prefix}/video"}},
-        "13": {"class_type": "SaveLatent", "inputs": {"samples": ["11", 1], "filename_prefix": f"{prefix}/audio"}},
+        **euler_av_prompt(["2", 0], steps=4, tokens=16, size=(128, 96, 22),
+                          prefixes=(f"{prefix}/video", f"{prefix}/audio")),
     }
     if with_node:
         p["20"] = {"class_type": "H3TurboAttention", "inputs": {"model": ["1", 0], "backend": backend}}

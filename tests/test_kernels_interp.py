@@ -97,8 +97,7 @@ def test_triton_fused_lora_equals_unfused_branch(tk, swap, blocks, r):
     pr = dsp.prepare(p, "exact")
     g = torch.Generator().manual_seed(5)
     x = torch.randn(m, k, generator=g).to(torch.bfloat16)
-    A = (torch.randn(blocks * r, k, generator=g) * 0.05).to(torch.bfloat16)
-    Bc = (torch.randn(n, r, generator=g) * 0.05).to(torch.bfloat16)
+    A, Bc = _lora_ab(g, blocks * r, n, r, k)
     scale = 0.75
     h = torch.nn.functional.linear(x, A)
     got = tk.gemm_exact(x, pr.qs, pr.scales, pr.gs, n, k, lora=(h, Bc, scale, n // blocks))
@@ -122,8 +121,7 @@ def test_exact_tiled_strategy_with_merged_lora_tiles(tk, monkeypatch, blocks, r,
     pr = dsp.prepare(p, "exact")
     g = torch.Generator().manual_seed(8)
     x = torch.randn(m, k, generator=g).to(torch.bfloat16)
-    A = (torch.randn(blocks * r, k, generator=g) * 0.05).to(torch.bfloat16)
-    Bc = (torch.randn(n, r, generator=g) * 0.05).to(torch.bfloat16)
+    A, Bc = _lora_ab(g, blocks * r, n, r, k)
     monkeypatch.setattr(dsp, "TILE_ROWS", tile)
     monkeypatch.setattr(dsp, "_TILE_BUFS", {})
     base = dsp._exact_tiled(x, pr)
@@ -138,6 +136,13 @@ def test_exact_tiled_strategy_with_merged_lora_tiles(tk, monkeypatch, blocks, r,
 
 
 # ------------------------------------------------------------------------------------ weight-side fold
+
+def _lora_ab(g, rows_a, n, r, k):
+    """LoRA operands drawn from ``g`` (A first): A [rows_a, k] and Bc [n, r], bf16, values ~0.05."""
+    A = (torch.randn(rows_a, k, generator=g) * 0.05).to(torch.bfloat16)
+    Bc = (torch.randn(n, r, generator=g) * 0.05).to(torch.bfloat16)
+    return A, Bc
+
 
 def _merged64(p, A, Bc, scale, blocks):
     """float64 W + scale * Bc[i] @ A[blk(i)] (the Turbo branch folded into the weight, no rounding)."""
@@ -165,8 +170,7 @@ def test_fold_weight_bf16_lora_vs_float64(tk, blocks, r):
     n, k = 192, 272                       # K % 128 != 0: the last 128-column block is partial
     p = make_packed(n, k, seed=21)
     g = torch.Generator().manual_seed(2)
-    A = (torch.randn(blocks * r, k, generator=g) * 0.05).to(torch.bfloat16)
-    Bc = (torch.randn(n, r, generator=g) * 0.05).to(torch.bfloat16)
+    A, Bc = _lora_ab(g, blocks * r, n, r, k)
     out = torch.full((n, k), float("nan"), dtype=torch.bfloat16)
     tk.fold_weight(p.qdata, p.block_scale, p.global_scale.float().reshape(1), n, k, out,
                    lora=(A, Bc, 0.75, n // blocks))
@@ -185,8 +189,7 @@ def test_fold_weight_fp8_rowwise_bound_and_bytes(tk, blocks, r, dist):
     n, k = 96, 384
     p = make_packed(n, k, seed=5, dist=dist)
     g = torch.Generator().manual_seed(9)
-    A = (torch.randn(blocks * r, k, generator=g) * 0.05).to(torch.bfloat16)
-    Bc = (torch.randn(n, r, generator=g) * 0.05).to(torch.bfloat16)
+    A, Bc = _lora_ab(g, blocks * r, n, r, k)
     w0 = ref.dequant_fp64(p.qdata, p.block_scale, p.global_scale, n, k)
     amax_w = w0.abs().amax(dim=1).float()
     out = torch.zeros((n + 16, k), dtype=torch.float8_e4m3fn)
@@ -218,8 +221,7 @@ def test_exact_full_and_fp8_fold_paths_on_cpu(tk, monkeypatch):
     pe, p8 = dsp.prepare(p, "exact"), dsp.prepare(p, "fp8")
     g = torch.Generator().manual_seed(4)
     x = torch.randn(m, k, generator=g).to(torch.bfloat16)
-    A = (torch.randn(blocks * r, k, generator=g) * 0.05).to(torch.bfloat16)
-    Bc = (torch.randn(n, r, generator=g) * 0.05).to(torch.bfloat16)
+    A, Bc = _lora_ab(g, blocks * r, n, r, k)
     w = ref.dequant_exact(p.qdata, p.block_scale, p.global_scale, n, k)
     assert torch.equal(dsp._exact_full(x, pe), torch.nn.functional.linear(x, w))
     want = dsp.lora_reference(x, p, A, Bc, 0.5, blocks)
@@ -268,8 +270,7 @@ def test_fp8_folded_weight_slot_switches_and_restores_base_bit_identically(tk):
     p8 = dsp.prepare(p, "fp8")
     w8_0, sw_0 = p8.w8.clone(), p8.sw.clone()
     g = torch.Generator().manual_seed(6)
-    A = (torch.randn(blocks * r, k, generator=g) * 0.05).to(torch.bfloat16)
-    Bc = (torch.randn(n, r, generator=g) * 0.05).to(torch.bfloat16)
+    A, Bc = _lora_ab(g, blocks * r, n, r, k)
     lt = (A, Bc, 0.5, n // blocks, None)
     dsp._fp8_set_state(p8, ("t", 0.5), lt)
     assert p8.state == ("t", 0.5) and p8.refolds == 1
@@ -301,8 +302,7 @@ def test_fp8_base_restored_bit_identically_over_seeds(tk, seed):
     p8 = dsp.prepare(p, "fp8")
     w8_0, sw_0, am_0 = p8.w8.clone(), p8.sw.clone(), p8.amax_w.clone()
     g = torch.Generator().manual_seed(seed)
-    A = (torch.randn(12, k, generator=g) * 0.05).to(torch.bfloat16)
-    Bc = (torch.randn(n, 4, generator=g) * 0.05).to(torch.bfloat16)
+    A, Bc = _lora_ab(g, 12, n, 4, k)
     dsp._fp8_set_state(p8, ("k", 1.0), (A, Bc, 1.0, n // 3, None))
     assert not torch.equal(p8.w8.view(torch.uint8), w8_0.view(torch.uint8))
     dsp._fp8_set_state(p8, None, None)

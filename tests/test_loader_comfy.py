@@ -10,6 +10,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from corpus import euler_av_prompt  # tests/ is on sys.path
 from h3_turbo.harness import PromptFailed
 from h3_turbo.tools.variants import damage, make_format_variants
 
@@ -29,24 +30,7 @@ def variants(comfy, fixtures_dir):
 
 def _prompt(loader: dict, lora: str | None = None, prefix: str = "h3t/x",
             lora_node: str = "LoraLoaderModelOnly") -> dict:
-    p = {
-        "1": loader,
-        "3": {"class_type": "MiniMaxH3SigmaShift", "inputs": {"model": ["2" if lora else "1", 0],
-                                                                "shift_video": 6.0, "shift_audio": 3.0}},
-        "4": {"class_type": "H3TurboTestConditioning", "inputs": {"model": ["3", 0], "seed": 0, "tokens": 8}},
-        "5": {"class_type": "BasicGuider", "inputs": {"model": ["3", 0], "conditioning": ["4", 0]}},
-        "6": {"class_type": "BasicScheduler", "inputs": {"model": ["3", 0], "scheduler": "simple", "steps": 1,
-                                                          "denoise": 1.0}},
-        "7": {"class_type": "KSamplerSelect", "inputs": {"sampler_name": "euler"}},
-        "8": {"class_type": "RandomNoise", "inputs": {"noise_seed": 42}},
-        "9": {"class_type": "EmptyMiniMaxH3LatentAV", "inputs": {"width": 64, "height": 64, "length": 5}},
-        "10": {"class_type": "SamplerCustomAdvanced", "inputs": {"noise": ["8", 0], "guider": ["5", 0],
-                                                                 "sampler": ["7", 0], "sigmas": ["6", 0],
-                                                                 "latent_image": ["9", 0]}},
-        "11": {"class_type": "LTXVSeparateAVLatent", "inputs": {"av_latent": ["10", 0]}},
-        "12": {"class_type": "SaveLatent", "inputs": {"samples": ["11", 0], "filename_prefix": prefix + "_v"}},
-        "13": {"class_type": "SaveLatent", "inputs": {"samples": ["11", 1], "filename_prefix": prefix + "_a"}},
-    }
+    p = {"1": loader, **euler_av_prompt(["2" if lora else "1", 0], prefixes=(prefix + "_v", prefix + "_a"))}
     if lora:
         p["2"] = {"class_type": lora_node, "inputs": {"model": ["1", 0], "lora_name": lora,
                                                                    "strength_model": 1.0}}
@@ -347,7 +331,7 @@ def test_kernel_extra_bytes_accounting(comfy):
     assert kernel_extra_bytes(full, "fp8") == nk + 4 * sum(n for n, _ in full)
     # the reused per-call buffers (kernels.dispatch._scratch / _TILE_BUFS): largest layer fc1 28672 x 5376
     from h3_turbo.kernels.dispatch import TILE_ROWS
-    from h3_turbo.nodes.loader import kernel_workspace_bytes
+    from h3_turbo.kernels.dispatch import workspace_bytes as kernel_workspace_bytes
     assert TILE_ROWS == 3072
     assert kernel_workspace_bytes(full, "exact") == 28672 * 5376 * 2 + 2 * 3072 * (5376 + 7168 + 14336) * 2
     assert kernel_workspace_bytes(full, "fp8") == 28672 * 5376 + 4 * 28672

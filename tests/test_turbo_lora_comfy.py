@@ -14,6 +14,8 @@ import os
 import pytest
 import torch
 
+from corpus import euler_av_prompt  # noqa: E402  (tests/ is on sys.path)
+
 pytestmark = pytest.mark.comfyui
 
 LORA4 = "h3_tiny_turbo_4step_comfyui_bf16.safetensors"
@@ -22,24 +24,9 @@ LORA8 = "h3_tiny_turbo_8step_comfyui_bf16.safetensors"
 
 def _prompt(unet="h3_tiny_bf16.safetensors", lora=None, steps=4, shifts=(6.0, 3.0), tag="x"):
     """API prompt (the tiny-demo graph with core euler); ``lora`` = None | ("turbo", turbo, strength) | ("core", file, s)."""
-    p = {
-        "1": {"class_type": "UNETLoader", "inputs": {"unet_name": unet, "weight_dtype": "default"}},
-        "3": {"class_type": "MiniMaxH3SigmaShift", "inputs": {"model": ["2", 0], "shift_video": shifts[0],
-                                                              "shift_audio": shifts[1]}},
-        "4": {"class_type": "H3TurboTestConditioning", "inputs": {"model": ["3", 0], "seed": 0, "tokens": 16}},
-        "5": {"class_type": "BasicGuider", "inputs": {"model": ["3", 0], "conditioning": ["4", 0]}},
-        "6": {"class_type": "BasicScheduler", "inputs": {"model": ["3", 0], "scheduler": "simple", "steps": steps,
-                                                         "denoise": 1.0}},
-        "7": {"class_type": "KSamplerSelect", "inputs": {"sampler_name": "euler"}},
-        "8": {"class_type": "RandomNoise", "inputs": {"noise_seed": 42}},
-        "9": {"class_type": "EmptyMiniMaxH3LatentAV", "inputs": {"width": 64, "height": 64, "length": 5}},
-        "10": {"class_type": "SamplerCustomAdvanced", "inputs": {"noise": ["8", 0], "guider": ["5", 0],
-                                                                 "sampler": ["7", 0], "sigmas": ["6", 0],
-                                                                 "latent_image": ["9", 0]}},
-        "11": {"class_type": "LTXVSeparateAVLatent", "inputs": {"av_latent": ["10", 0]}},
-        "12": {"class_type": "SaveLatent", "inputs": {"samples": ["11", 0], "filename_prefix": f"h2lora/{tag}_v"}},
-        "13": {"class_type": "SaveLatent", "inputs": {"samples": ["11", 1], "filename_prefix": f"h2lora/{tag}_a"}},
-    }
+    p = {"1": {"class_type": "UNETLoader", "inputs": {"unet_name": unet, "weight_dtype": "default"}},
+         **euler_av_prompt(["2", 0], steps=steps, shifts=shifts, tokens=16,
+                           prefixes=(f"h2lora/{tag}_v", f"h2lora/{tag}_a"))}
     if lora is None:
         p["3"]["inputs"]["model"] = ["1", 0]
     elif lora[0] == "turbo":

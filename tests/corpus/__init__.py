@@ -220,6 +220,33 @@ def av_prompt(unet: str, turbo: str, steps=0, length=5, seed=42, tag="rel", samp
     return p
 
 
+def euler_av_prompt(model: list, *, steps: int = 1, shifts=(6.0, 3.0), tokens: int = 8, size=(64, 64, 5),
+                    prefixes=("h3t/x_v", "h3t/x_a")) -> dict:
+    """API prompt nodes "3".."13" of the plain core graph: MiniMaxH3SigmaShift on ``model`` (a link such as
+    ``["2", 0]``) -> H3TurboTestConditioning (seed 0, ``tokens``), BasicGuider, BasicScheduler simple
+    (``steps``), euler, RandomNoise 42, EmptyMiniMaxH3LatentAV (width, height, length = ``size``) ->
+    SamplerCustomAdvanced -> LTXVSeparateAVLatent -> SaveLatent video "12" / audio "13" (``prefixes``).
+    The caller adds the model nodes ("1", "2", ...)."""
+    w, h, length = size
+    return {
+        "3": {"class_type": "MiniMaxH3SigmaShift", "inputs": {"model": model, "shift_video": shifts[0],
+                                                              "shift_audio": shifts[1]}},
+        "4": {"class_type": "H3TurboTestConditioning", "inputs": {"model": ["3", 0], "seed": 0, "tokens": tokens}},
+        "5": {"class_type": "BasicGuider", "inputs": {"model": ["3", 0], "conditioning": ["4", 0]}},
+        "6": {"class_type": "BasicScheduler", "inputs": {"model": ["3", 0], "scheduler": "simple", "steps": steps,
+                                                         "denoise": 1.0}},
+        "7": {"class_type": "KSamplerSelect", "inputs": {"sampler_name": "euler"}},
+        "8": {"class_type": "RandomNoise", "inputs": {"noise_seed": 42}},
+        "9": {"class_type": "EmptyMiniMaxH3LatentAV", "inputs": {"width": w, "height": h, "length": length}},
+        "10": {"class_type": "SamplerCustomAdvanced", "inputs": {"noise": ["8", 0], "guider": ["5", 0],
+                                                                 "sampler": ["7", 0], "sigmas": ["6", 0],
+                                                                 "latent_image": ["9", 0]}},
+        "11": {"class_type": "LTXVSeparateAVLatent", "inputs": {"av_latent": ["10", 0]}},
+        "12": {"class_type": "SaveLatent", "inputs": {"samples": ["11", 0], "filename_prefix": prefixes[0]}},
+        "13": {"class_type": "SaveLatent", "inputs": {"samples": ["11", 1], "filename_prefix": prefixes[1]}},
+    }
+
+
 SMALL_LAYERS = (2, 1)  # DiT blocks, refiner blocks of the small sampling fixture
 
 

@@ -17,8 +17,17 @@ config is also checked against the float64 model of its own quantized math (``sa
 into a NaN-poisoned output whose every element must be finite and close to cuDNN's (``full_*``).
 ``quant_ms``: the pre-passes alone (``quantize_kv``, plus ``quantize_q`` with QPRE).
 
+Library rows (``LIBS=sage2``, at every S): SageAttention 2's own Hopper kernel
+(``sageattention.sageattn_qk_int8_pv_fp8_cuda_sm90``: INT8 Q K^T with per-thread or per-warp Q scales and
+smoothed K, FP8 P V with two-level fp32 accumulation; hand-written CUDA with wgmma and TMA), on the same
+inputs in core's [1, S, H, D] view ("NHD", no copies; its output is [1, S, H, D] contiguous = core's
+[1, S, 7168]), every pre-pass included, the same accuracy columns. SageAttention 2 is not on PyPI: build it
+with ``benchmarks/build_sageattention_sm90.py`` and put the built folder on PYTHONPATH. A missing library
+is recorded as an error row, not skipped silently.
+
 Env: SIZES (default 19584,37632,109000), CONFIGS (JSON list of config dicts, default below), TOP (how
-many of the fastest configs at the first S run at the larger S; default 2), OUT (result folder).
+many of the fastest configs at the first S run at the larger S; default 2), LIBS (comma list, ``sage2``;
+default none), OUT (result folder).
 Writes $OUT/bench_attention_int8_h200.json and .md; prints a table last.
 """
 import json
@@ -50,6 +59,7 @@ DEFAULT_CONFIGS = [          # changes from kernels.attention_int8.DEFAULT_CONFI
     {"PV_FP8": False},
 ]
 CONFIGS = json.loads(os.environ["CONFIGS"]) if os.environ.get("CONFIGS") else DEFAULT_CONFIGS
+LIBS = [x for x in os.environ.get("LIBS", "").split(",") if x]
 TOP = int(os.environ.get("TOP", 2))   # fastest configs at the first S that run at the larger S
 res = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
        "cudnn": torch.backends.cudnn.version(), "heads": HEADS, "head_dim": D, "default_config": BASE,
@@ -76,6 +86,30 @@ def save():
         json.dump(res, f, indent=1)
 
 
+def library_rows(q, k, v):
+    """(name, fn) for each library in LIBS; fn returns [1, S, H, D]. q/k/v: [1, H, S, D] strided views."""
+    rows = []
+    for lib in LIBS:
+        if lib != "sage2":
+            raise SystemExit(f"LIBS: unknown library {lib!r} (known: sage2)")
+        try:
+            import sageattention
+            from sageattention import core as sage_core
+            if not getattr(sage_core, "SM90_ENABLED", False):
+                raise ImportError("sageattention has no sm90 module (sageattention._qattn_sm90)")
+            res.setdefault("libraries", {})["sage2"] = {"file": sageattention.__file__}
+        except ImportError as e:
+            def fail(e=e):
+                raise RuntimeError(f"SageAttention 2 not importable: {e}")
+            rows.append(("sage2", fail))
+            continue
+        qn, kn, vn = (t.transpose(1, 2) for t in (q, k, v))     # [1, S, H, D] views of core's buffer
+        for gran in ("per_thread", "per_warp"):
+            rows.append((f"sage2_sm90_{gran}", lambda gran=gran: sage_core.sageattn_qk_int8_pv_fp8_cuda_sm90(
+                qn, kn, vn, tensor_layout="NHD", qk_quant_gran=gran, pv_accum_dtype="fp32+fp32")))
+    return rows
+
+
 def run_size(S, configs, first):
     torch.manual_seed(S)
     buf, (q, k, v) = h3_qkv(S, seed=S)
@@ -84,6 +118,7 @@ def run_size(S, configs, first):
     ref = A.reference_attention(q, k, v, rows=rows, heads=heads_idx, dtype=torch.float32)   # [8, 512, D]
     flops = 4.0 * S * S * HEADS * D
     r = {"S": S, "flop": flops}
+    res["sizes"][str(S)] = r            # by reference: a run that dies mid-size still saves what it measured
     t = bench(lambda: A.sdpa_with("CUDNN_ATTENTION", q, k, v), S)
     o = A.sdpa_with("CUDNN_ATTENTION", q, k, v)
     full_ref = o
@@ -134,7 +169,25 @@ def run_size(S, configs, first):
         print(S, name, json.dumps(r[name]), flush=True)
         o = o4 = None
         torch.cuda.empty_cache()
-    res["sizes"][str(S)] = r
+    for name, fn in library_rows(q, k, v):
+        try:
+            o = fn()
+            torch.cuda.synchronize()
+            t = bench(fn, S)
+            r[name] = {"ms": t, "tflops": flops / t / 1e9, "x_exact": t / r["cudnn"]["ms"],
+                       **A.accuracy(o.transpose(1, 2)[0, heads_idx][:, rows].float(), ref)}
+        except Exception as e:
+            r[name] = {"error": f"{type(e).__name__}: {str(e)[:600]}"}
+            if "illegal memory access" in str(e) or type(e).__name__ == "AcceleratorError":
+                # the CUDA context is gone: nothing after this can run in this process
+                res["aborted"] = f"S={S} {name}: {r[name]['error']}"
+                print(S, name, json.dumps(r[name]), flush=True)
+                write_md()
+                save()
+                raise SystemExit(f"stopped: {res['aborted']}")
+        print(S, name, json.dumps(r[name]), flush=True)
+        o = None
+        torch.cuda.empty_cache()
     save()
     del buf, q, k, v, ref, full_ref
     torch.cuda.empty_cache()
@@ -156,6 +209,8 @@ def write_md():
                              f"{v.get('quant_ms', float('nan')):.2f} |")
             elif "error" in v:
                 lines.append(f"| {S} | {name} | error: {v['error'][:120]} | | | | | | |")
+    if res.get("aborted"):
+        lines += ["", f"Run stopped (CUDA context lost): {res['aborted']}"]
     with open(os.path.join(OUT, "bench_attention_int8_h200.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
 

@@ -53,6 +53,8 @@ Status (H200, benchmarks/results/bench_attention_int8_h200.md, tuned config, pre
 0.99905-0.99912 vs float32 attention. Issue 9's target (<= 0.7x with cos >= 0.999) is met at 109 000
 only. Nsight Compute on the 19 584 kernel: 12 warps per SM, issue slots 50 % busy, tensor pipe 48 %, L2 63 %:
 latency-bound by the one-warpgroup-per-CTA structure (no producer/consumer ping-pong in Triton 3.6).
+SageAttention 2.2's own hand-written Hopper kernel (wgmma, TMA), timed in the same run on the same inputs:
+0.82x at 19 584 and 0.76-0.78x at 37 632 (bench_attention_int8_h200.md, run 12).
 ``H3TurboAttention`` offers it as the explicit, approximate ``int8_sage`` backend (``auto`` stays ``exact``).
 
 Under ``TRITON_INTERPRET=1`` (CPU tests) values are rounded to the e4m3/bf16/fp16 grid in fp32 before

@@ -35,7 +35,9 @@ at L = 37 632); it only pays for large channel offsets. ``IMPRECISE``: ``max_num
 fp8 P V dot (None: Triton's Hopper default, accumulate in the wgmma accumulator; a number promotes to
 fp32 every that many keys: measured < 1e-5 cosine gain for 12 % time). ``TMA``: K/V tiles through
 tensor descriptors (bulk tensor copies) instead of per-thread ``cp.async``. ``WS``:
-``tl.range(warp_specialize=True)`` (no effect measured on Hopper with triton 3.6). ``QPRE``: Q is
+``tl.range(warp_specialize=True)`` (no effect on Hopper with triton 3.6: its Hopper pass only splits
+loops whose dot operands all come from tensor descriptors; a variant built that way ran 2.25x slower on
+the H200, run 14 in bench_attention_int8_h200.md). ``QPRE``: Q is
 quantized by its own pre-kernel (:func:`quantize_q`, the same float32 ops) into an int8 [B*H, L_pad, D]
 copy, so the kernel's Q tile is read by the tensor cores from shared memory instead of occupying 16
 registers per thread. ``ROWSUM_MMA``: the softmax row sum is taken on the tensor cores as

@@ -86,9 +86,9 @@ def save():
         json.dump(res, f, indent=1)
 
 
-def library_rows(q, k, v):
-    """(name, fn) for each library in LIBS; fn returns [1, S, H, D]. q/k/v: [1, H, S, D] strided views."""
-    rows = []
+def load_libraries():
+    """{library: its module, or why it cannot run} for each name in LIBS, recorded in res["libraries"]."""
+    libs = {}
     for lib in LIBS:
         if lib != "sage2":
             raise SystemExit(f"LIBS: unknown library {lib!r} (known: sage2)")
@@ -97,17 +97,39 @@ def library_rows(q, k, v):
             from sageattention import core as sage_core
             if not getattr(sage_core, "SM90_ENABLED", False):
                 raise ImportError("sageattention has no sm90 module (sageattention._qattn_sm90)")
-            res.setdefault("libraries", {})["sage2"] = {"file": sageattention.__file__}
+            libs[lib] = sage_core
+            res.setdefault("libraries", {})[lib] = {"file": sageattention.__file__}
         except ImportError as e:
-            def fail(e=e):
-                raise RuntimeError(f"SageAttention 2 not importable: {e}")
-            rows.append(("sage2", fail))
+            libs[lib] = f"SageAttention 2 not importable: {e}"
+            res.setdefault("libraries", {})[lib] = {"error": libs[lib]}
+    return libs
+
+
+def library_rows(q, k, v):
+    """(name, fn returning [1, S, H, D], or the reason the library cannot run) per library in LIBS.
+    q/k/v: [1, H, S, D] strided views."""
+    rows = []
+    for lib, mod in LIBRARIES.items():
+        if isinstance(mod, str):
+            rows.append((lib, mod))
             continue
         qn, kn, vn = (t.transpose(1, 2) for t in (q, k, v))     # [1, S, H, D] views of core's buffer
         for gran in ("per_thread", "per_warp"):
-            rows.append((f"sage2_sm90_{gran}", lambda gran=gran: sage_core.sageattn_qk_int8_pv_fp8_cuda_sm90(
+            rows.append((f"sage2_sm90_{gran}", lambda gran=gran: mod.sageattn_qk_int8_pv_fp8_cuda_sm90(
                 qn, kn, vn, tensor_layout="NHD", qk_quant_gran=gran, pv_accum_dtype="fp32+fp32")))
     return rows
+
+
+def record_error(S, r, name, e):
+    """An error row; a run whose CUDA context died (illegal memory access) is saved and stopped."""
+    msg = str(e)
+    r[name] = {"error": f"{type(e).__name__}: {msg[:200]} ... {msg[-700:]}"}
+    if "illegal memory access" in msg or type(e).__name__ == "AcceleratorError":
+        res["aborted"] = f"S={S} {name}: {r[name]['error']}"
+        print(S, name, json.dumps(r[name]), flush=True)
+        write_md()
+        save()
+        raise SystemExit(f"stopped (CUDA context lost): {res['aborted']}")
 
 
 def run_size(S, configs, first):
@@ -124,18 +146,24 @@ def run_size(S, configs, first):
     full_ref = o
     r["cudnn"] = {"ms": t, "tflops": flops / t / 1e9, **A.accuracy(o[0, heads_idx][:, rows].float(), ref)}
     print(S, "cudnn", json.dumps(r["cudnn"]), flush=True)
+
+    def measure(fn, to_bhsd):
+        """Times fn (first call, then do_bench) -> (its output as [1, H, S, D], the columns every row has)."""
+        t0 = time.perf_counter()
+        o = fn()
+        torch.cuda.synchronize()
+        first_s = time.perf_counter() - t0
+        t = bench(fn, S)
+        o4 = to_bhsd(o)
+        return o4, {"ms": t, "tflops": flops / t / 1e9, "x_exact": t / r["cudnn"]["ms"], "first_call_s": first_s,
+                    **A.accuracy(o4[0, heads_idx][:, rows].float(), ref)}
+
     for cfg0 in configs:
         name = cname(cfg0)
         cfg = Q.tuned_config(dev, S) if cfg0 is None else cfg0
         try:
-            t0 = time.perf_counter()
-            o = Q.sage_attention(q, k, v, out_layout="blhd", config=cfg)
-            torch.cuda.synchronize()
-            first_s = time.perf_counter() - t0
-            t = bench(lambda: Q.sage_attention(q, k, v, out_layout="blhd", config=cfg), S)
-            o4 = o.view(1, S, HEADS, D).transpose(1, 2)
-            rr = {"ms": t, "tflops": flops / t / 1e9, "x_exact": t / r["cudnn"]["ms"], "first_call_s": first_s,
-                  **A.accuracy(o4[0, heads_idx][:, rows].float(), ref)}
+            o4, rr = measure(lambda: Q.sage_attention(q, k, v, out_layout="blhd", config=cfg),
+                             lambda o: o.view(1, S, HEADS, D).transpose(1, 2))
             if first:
                 hs = heads_idx[[0, 5]]
                 rs = rows[::2]
@@ -164,29 +192,19 @@ def run_size(S, configs, first):
                     del o2, poison, err
             r[name] = rr
         except Exception as e:
-            msg = str(e)
-            r[name] = {"error": f"{type(e).__name__}: {msg[:200]} ... {msg[-700:]}"}
+            record_error(S, r, name, e)
         print(S, name, json.dumps(r[name]), flush=True)
-        o = o4 = None
+        o4 = None
         torch.cuda.empty_cache()
     for name, fn in library_rows(q, k, v):
-        try:
-            o = fn()
-            torch.cuda.synchronize()
-            t = bench(fn, S)
-            r[name] = {"ms": t, "tflops": flops / t / 1e9, "x_exact": t / r["cudnn"]["ms"],
-                       **A.accuracy(o.transpose(1, 2)[0, heads_idx][:, rows].float(), ref)}
-        except Exception as e:
-            r[name] = {"error": f"{type(e).__name__}: {str(e)[:600]}"}
-            if "illegal memory access" in str(e) or type(e).__name__ == "AcceleratorError":
-                # the CUDA context is gone: nothing after this can run in this process
-                res["aborted"] = f"S={S} {name}: {r[name]['error']}"
-                print(S, name, json.dumps(r[name]), flush=True)
-                write_md()
-                save()
-                raise SystemExit(f"stopped: {res['aborted']}")
+        if isinstance(fn, str):
+            r[name] = {"error": fn}
+        else:
+            try:
+                r[name] = measure(fn, lambda o: o.transpose(1, 2))[1]
+            except Exception as e:
+                record_error(S, r, name, e)
         print(S, name, json.dumps(r[name]), flush=True)
-        o = None
         torch.cuda.empty_cache()
     save()
     del buf, q, k, v, ref, full_ref
@@ -216,6 +234,7 @@ def write_md():
 
 
 if __name__ == "__main__":
+    LIBRARIES = load_libraries()
     r0 = run_size(SIZES[0], CONFIGS, True)
     ranked = sorted((c for c in CONFIGS if "ms" in r0.get(cname(c), {})), key=lambda c: r0[cname(c)]["ms"])
     best = ranked[:TOP] + [c for c in ranked if c is not None and c.get("PV_FP8") is False][:1]  # + fastest bf16 PV

@@ -20,35 +20,25 @@ import shutil
 import sys
 import time
 
+
+def _one_case(params: str, test: str, decl: str, error: str) -> str:
+    """A dispatch macro body with a single case: ``if (test) { decl; __VA_ARGS__ } else { error; }``."""
+    lines = [f"({params}, ...)", f"  if ({test}) {{", f"    {decl};", "    __VA_ARGS__", "  } else {",
+             f"    {error};", "  }"]
+    return " \\\n".join(lines)
+
+
+# macro name -> its reduced definition (after "#define NAME")
 MACROS = {
-    "DISPATCH_HEAD_DIM": r'''#define DISPATCH_HEAD_DIM(head_dim, HEAD_DIM, ...)              \
-  if (head_dim == 128) {                                        \
-    constexpr int HEAD_DIM = 128;                               \
-    __VA_ARGS__                                                 \
-  } else {                                                      \
-    throw std::invalid_argument("reduced build: head dim 128 only"); \
-  }''',
-    "DISPATCH_CAUSAL": r'''#define DISPATCH_CAUSAL(is_causal, IS_CAUSAL, ...)              \
-  if (is_causal == 0) {                                         \
-    constexpr bool IS_CAUSAL = false;                           \
-    __VA_ARGS__                                                 \
-  } else {                                                      \
-    throw std::invalid_argument("reduced build: non-causal only"); \
-  }''',
-    "DISPATCH_RETURN_LSE": r'''#define DISPATCH_RETURN_LSE(return_lse, RETURN_LSE, ...)        \
-  if (return_lse == 0) {                                        \
-    constexpr bool RETURN_LSE = false;                          \
-    __VA_ARGS__                                                 \
-  } else {                                                      \
-    throw std::invalid_argument("reduced build: no LSE");       \
-  }''',
-    "DISPATCH_PYTORCH_DTYPE_TO_CTYPE_FP16": r'''#define DISPATCH_PYTORCH_DTYPE_TO_CTYPE_FP16(pytorch_dtype, c_type, ...)  \
-  if (pytorch_dtype == at::ScalarType::BFloat16) {                        \
-    using c_type = nv_bfloat16;                                           \
-    __VA_ARGS__                                                           \
-  } else {                                                                \
-    TORCH_CHECK(false, "reduced build: bf16 only");                       \
-  }''',
+    "DISPATCH_HEAD_DIM": _one_case("head_dim, HEAD_DIM", "head_dim == 128", "constexpr int HEAD_DIM = 128",
+                                   'throw std::invalid_argument("reduced build: head dim 128 only")'),
+    "DISPATCH_CAUSAL": _one_case("is_causal, IS_CAUSAL", "is_causal == 0", "constexpr bool IS_CAUSAL = false",
+                                 'throw std::invalid_argument("reduced build: non-causal only")'),
+    "DISPATCH_RETURN_LSE": _one_case("return_lse, RETURN_LSE", "return_lse == 0", "constexpr bool RETURN_LSE = false",
+                                     'throw std::invalid_argument("reduced build: no LSE")'),
+    "DISPATCH_PYTORCH_DTYPE_TO_CTYPE_FP16": _one_case(
+        "pytorch_dtype, c_type", "pytorch_dtype == at::ScalarType::BFloat16", "using c_type = nv_bfloat16",
+        'TORCH_CHECK(false, "reduced build: bf16 only")'),
 }
 
 
@@ -61,7 +51,7 @@ def reduce_dispatch(path: str) -> None:
         if i < 0:
             raise ValueError(f"{path}: no '#define {name}(' (expected SageAttention 2.2's dispatch_utils.h)")
         j = s.index("\n\n", i)
-        s = s[:i] + body + s[j:]
+        s = s[:i] + f"#define {name}" + body + s[j:]
     open(path, "w").write(s)
 
 

@@ -34,10 +34,10 @@ int32 accumulator starts at 0x4B400000 (the bits of 2^23 + 2^22), so its bits re
 at L = 37 632); it only pays for large channel offsets. ``IMPRECISE``: ``max_num_imprecise_acc`` of the
 fp8 P V dot (None: Triton's Hopper default, accumulate in the wgmma accumulator; a number promotes to
 fp32 every that many keys: measured < 1e-5 cosine gain for 12 % time). ``TMA``: K/V tiles through
-tensor descriptors (bulk tensor copies) instead of per-thread ``cp.async``. ``WS``:
-``tl.range(warp_specialize=True)`` (no effect on Hopper with triton 3.6: its Hopper pass only splits
-loops whose dot operands all come from tensor descriptors; a variant built that way ran 2.25x slower on
-the H200, run 14 in bench_attention_int8_h200.md). ``QPRE``: Q is
+tensor descriptors (bulk tensor copies) instead of per-thread ``cp.async``. (``tl.range(warp_specialize=True)``
+had no effect on this loop with triton 3.6: its Hopper pass only splits loops whose dot operands all come
+from tensor descriptors, and a variant built that way ran 2.25x slower on the H200, run 14 in
+bench_attention_int8_h200.md; the option was removed.) ``QPRE``: Q is
 quantized by its own pre-kernel (:func:`quantize_q`, the same float32 ops) into an int8 [B*H, L_pad, D]
 copy, so the kernel's Q tile is read by the tensor cores from shared memory instead of occupying 16
 registers per thread. ``ROWSUM_MMA``: the softmax row sum is taken on the tensor cores as
@@ -100,7 +100,7 @@ LOG2_FP8_MAX = math.log2(FP8_MAX)
 
 # Default launch configuration (any GPU with FP8 tensor cores; cp.async loads, Q quantized in-kernel).
 DEFAULT_CONFIG = {"BLOCK_M": 64, "BLOCK_N": 128, "num_warps": 4, "num_stages": 3, "MAGIC": True,
-                  "PV_FP8": True, "V_MEAN": False, "WS": False, "IMPRECISE": None,
+                  "PV_FP8": True, "V_MEAN": False, "IMPRECISE": None,
                   "TMA": False, "QPRE": False, "ROWSUM_MMA": False, "MAXNREG": None}
 # Hopper (compute capability 9.x), measured on the H200 (benchmarks/results/bench_attention_int8_h200.md,
 # runs 6-9): (largest key length or None, changes from DEFAULT_CONFIG); the first row that fits is used.
@@ -131,6 +131,14 @@ if triton is not None:
                 + offs_d[None, :] * sd)
 
     @triton.jit
+    def _quant_i8_block(x):
+        """float32 block -> (int8 codes round(x * 127 / max|x|), half away from zero; max|x|), one scale per
+        block (codes 0 for an all-zero block)."""
+        amax = tl.max(tl.max(tl.abs(x), 1), 0)
+        inv = tl.where(amax > 0, 127.0 / amax, 0.0)
+        return _round_i8(x * inv, 127.0), amax
+
+    @triton.jit
     def _quant_kv_kernel(K, V, KM, VM, VINV, K8, KS, VQ,
                          skb, skh, skn, skd, svb, svh, svn, svd,
                          H, N_K, N_KPAD,
@@ -148,10 +156,7 @@ if triton is not None:
         kp = _bhld_ptrs(K, b, h, offs_n, offs_d, skb, skh, skn, skd)
         k = tl.load(kp, mask=valid, other=0.0).to(tl.float32)
         km = tl.load(KM + bh * HEAD_DIM + offs_d)
-        k = tl.where(valid, k - km[None, :], 0.0)
-        amax = tl.max(tl.max(tl.abs(k), 1), 0)
-        inv = tl.where(amax > 0, 127.0 / amax, 0.0)
-        k8 = _round_i8(k * inv, 127.0)
+        k8, amax = _quant_i8_block(tl.where(valid, k - km[None, :], 0.0))
         base = bh.to(tl.int64) * N_KPAD * HEAD_DIM
         tl.store(K8 + base + offs_n[:, None] * HEAD_DIM + offs_d[None, :], k8)
         tl.store(KS + bh * nb + j, amax / 127.0)
@@ -177,10 +182,8 @@ if triton is not None:
     def _quant_q_block(qp, row_ok, qk_scale):
         """One block of Q rows (pointers ``qp`` [BLOCK_M, D], rows with ``row_ok`` False read as 0) -> (int8
         codes with one max|q|/127 scale, the block's score scale ``max|q| / 127 * qk_scale``)."""
-        q = tl.load(qp, mask=row_ok[:, None], other=0.0).to(tl.float32)
-        amax = tl.max(tl.max(tl.abs(q), 1), 0)
-        inv = tl.where(amax > 0, 127.0 / amax, 0.0)
-        return _round_i8(q * inv, 127.0), (amax / 127.0) * qk_scale
+        q8, amax = _quant_i8_block(tl.load(qp, mask=row_ok[:, None], other=0.0).to(tl.float32))
+        return q8, (amax / 127.0) * qk_scale
 
     @triton.jit
     def _quant_q_kernel(Q, Q8, QS, sqb, sqh, sqm, sqd, H, N_Q, N_QPAD, qk_scale,
@@ -283,7 +286,7 @@ if triton is not None:
                          sqb, sqh, sqm, sqd, sob, soh, som, sod,
                          H, N_Q, N_QPAD, N_K, N_KPAD, qk_scale,
                          HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                         MAGIC: tl.constexpr, PV_FP8: tl.constexpr, V_MEAN: tl.constexpr, WS: tl.constexpr,
+                         MAGIC: tl.constexpr, PV_FP8: tl.constexpr, V_MEAN: tl.constexpr,
                          INTERP: tl.constexpr, IMPRECISE: tl.constexpr, TMA: tl.constexpr,
                          QPRE: tl.constexpr, ROWSUM_MMA: tl.constexpr):
         pid_m = tl.program_id(0)
@@ -324,16 +327,10 @@ if triton is not None:
                 v_step = BLOCK_N * HEAD_DIM
         ks_ptr = KS + bh * (N_KPAD // BLOCK_N)
         n_full = N_K // BLOCK_N
-        if WS:
-            for j in tl.range(0, n_full, warp_specialize=True):
-                acc, l_i, m_i = _attn_block(acc, l_i, m_i, q8, qc, K8, VQ, k_ptrs + j * (BLOCK_N * HEAD_DIM),
-                                            v_ptrs + j * v_step, k_row, v_row, ks_ptr + j, j * BLOCK_N, N_K, ones,
-                                            BLOCK_M, BLOCK_N, False, MAGIC, PV_FP8, INTERP, IMPRECISE, TMA, ROWSUM_MMA)
-        else:
-            for j in range(0, n_full):
-                acc, l_i, m_i = _attn_block(acc, l_i, m_i, q8, qc, K8, VQ, k_ptrs + j * (BLOCK_N * HEAD_DIM),
-                                            v_ptrs + j * v_step, k_row, v_row, ks_ptr + j, j * BLOCK_N, N_K, ones,
-                                            BLOCK_M, BLOCK_N, False, MAGIC, PV_FP8, INTERP, IMPRECISE, TMA, ROWSUM_MMA)
+        for j in range(0, n_full):
+            acc, l_i, m_i = _attn_block(acc, l_i, m_i, q8, qc, K8, VQ, k_ptrs + j * (BLOCK_N * HEAD_DIM),
+                                        v_ptrs + j * v_step, k_row, v_row, ks_ptr + j, j * BLOCK_N, N_K, ones,
+                                        BLOCK_M, BLOCK_N, False, MAGIC, PV_FP8, INTERP, IMPRECISE, TMA, ROWSUM_MMA)
         if n_full * BLOCK_N < N_K:                           # ragged last key block (zero-padded buffers)
             acc, l_i, m_i = _attn_block(acc, l_i, m_i, q8, qc, K8, VQ, k_ptrs + n_full * (BLOCK_N * HEAD_DIM),
                                         v_ptrs + n_full * v_step, k_row, v_row, ks_ptr + n_full, n_full * BLOCK_N,
@@ -548,7 +545,7 @@ def sage_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: flo
         q, q8, qs, k8, kv["ks"], vq, kv["vs"], kv["vm"], out, ones,
         *q.stride(), *so, H, Lq, nqpad, Lk, kv["n_kpad"], sm * LOG2E,
         HEAD_DIM=D, BLOCK_M=c["BLOCK_M"], BLOCK_N=c["BLOCK_N"], MAGIC=c["MAGIC"], PV_FP8=c["PV_FP8"],
-        V_MEAN=c["V_MEAN"], WS=c["WS"], INTERP=INTERPRET, IMPRECISE=None if c["IMPRECISE"] is None else min(c["IMPRECISE"], c["BLOCK_N"]),
+        V_MEAN=c["V_MEAN"], INTERP=INTERPRET, IMPRECISE=None if c["IMPRECISE"] is None else min(c["IMPRECISE"], c["BLOCK_N"]),
         TMA=c["TMA"], QPRE=c["QPRE"], ROWSUM_MMA=c["ROWSUM_MMA"], num_warps=c["num_warps"],
         num_stages=c["num_stages"], **launch)
     return out

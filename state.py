@@ -1,12 +1,23 @@
-"""Process-wide runtime state read by ``GET /h3turbo/ready``: cheap to read, updated by the nodes.
+"""Process-wide state of the pack, in one place.
 
-Thread-safe (ComfyUI runs prompts on a worker thread and serves HTTP on the event loop).
-Nothing here hashes or loads files.
+Two kinds:
+
+- the runtime picture read by ``GET /h3turbo/ready`` (:func:`set_current_turbo`, :func:`record_loaded_model`,
+  ..., :func:`snapshot`): cheap to read, updated by the nodes;
+- named :class:`Store` objects, each the one home of a cache, counter set or buffer pool that a module
+  keeps between calls (adapter residency, file hashes, LoRA routes, kernel work buffers, the attention
+  chooser, ...). Every store has ``clear()`` and ``snapshot()``; :func:`clear_all` resets all of them
+  (tests, model unload) and :func:`stores_snapshot` reports them.
+
+Thread-safe (ComfyUI runs prompts on a worker thread and serves HTTP on the event loop). Nothing here
+hashes or loads files; standard library only.
 """
 from __future__ import annotations
 
+import collections
 import threading
 import time
+from typing import Any, Callable, Hashable
 
 _lock = threading.Lock()
 _state: dict = {
@@ -47,7 +58,7 @@ def set_available_turbos(items: list[dict]) -> None:
 
 
 def snapshot() -> dict:
-    """A deep-enough copy of the state for JSON responses."""
+    """A deep-enough copy of the runtime picture for JSON responses."""
     with _lock:
         return {
             "current_turbo": _state["current_turbo"],
@@ -56,3 +67,106 @@ def snapshot() -> dict:
             "resident_turbos": {k: dict(v) for k, v in _state["resident_turbos"].items()},
             "available_turbos": [dict(i) for i in _state["available_turbos"]],
         }
+
+
+# --------------------------------------------------------------------------- named stores
+
+class Store:
+    """A named dict (or OrderedDict) of process state under a re-entrant lock.
+
+    ``data`` is the mapping itself (its identity never changes: :meth:`clear` empties it in place, after
+    calling ``on_clear(data)`` so an owner can release what the entries hold). ``snapshot()`` gives
+    ``{"entries": n}`` or what ``describe(data)`` returns.
+    """
+
+    def __init__(self, name: str, ordered: bool = False, on_clear: Callable[[dict], Any] | None = None,
+                 describe: Callable[[dict], dict] | None = None):
+        self.name = name
+        self.lock = threading.RLock()
+        self.data: dict = collections.OrderedDict() if ordered else {}
+        self.on_clear = on_clear
+        self.describe = describe
+        _STORES[name] = self
+
+    def clear(self) -> None:
+        with self.lock:
+            if self.on_clear is not None and self.data:
+                self.on_clear(self.data)
+            self.data.clear()
+
+    def snapshot(self) -> dict:
+        with self.lock:
+            return dict(self.describe(self.data)) if self.describe else {"entries": len(self.data)}
+
+
+class KeySet(Store):
+    """A set of keys (stored as a dict): :meth:`add_new` is True the first time a key is added."""
+
+    def add_new(self, key: Hashable) -> bool:
+        with self.lock:
+            if key in self.data:
+                return False
+            self.data[key] = True
+            return True
+
+
+class Counters(Store):
+    """Named counters (``collections.Counter``): :meth:`incr`, ``counts`` (a copy)."""
+
+    def __init__(self, name: str, keys: tuple[str, ...] = ()):
+        super().__init__(name, describe=lambda d: dict(d))
+        self.data = collections.Counter({k: 0 for k in keys})
+        self._keys = keys
+
+    def incr(self, key: str, n: int = 1) -> None:
+        with self.lock:
+            self.data[key] += n
+
+    def __getitem__(self, key: str) -> int:
+        return self.data[key]
+
+    def clear(self) -> None:
+        with self.lock:
+            self.data.clear()
+            self.data.update({k: 0 for k in self._keys})
+
+    @property
+    def counts(self) -> dict[str, int]:
+        with self.lock:
+            return dict(self.data)
+
+
+class Slot(Store):
+    """One lazily built object (e.g. the attention chooser): :meth:`get` builds it with ``factory`` once."""
+
+    def get(self, factory: Callable[[], Any]) -> Any:
+        with self.lock:
+            obj = self.data.get("value")
+            if obj is None:
+                obj = self.data["value"] = factory()
+            return obj
+
+
+_STORES: dict[str, Store] = {}
+
+#: keys already logged by :func:`h3_turbo.logs.log_once`
+LOGGED = KeySet("logged")
+
+
+def store(name: str) -> Store:
+    """The store registered as ``name`` (KeyError naming the known ones otherwise)."""
+    try:
+        return _STORES[name]
+    except KeyError:
+        raise KeyError(f"no state store {name!r}; known: {sorted(_STORES)}") from None
+
+
+def clear_all() -> None:
+    """Clear every store (caches, counters, buffers). The runtime picture is kept."""
+    for s in list(_STORES.values()):
+        s.clear()
+
+
+def stores_snapshot() -> dict[str, dict]:
+    """``{name: store.snapshot()}`` for every store."""
+    return {name: s.snapshot() for name, s in sorted(_STORES.items())}

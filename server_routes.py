@@ -15,17 +15,17 @@ Response (JSON object):
 """
 from __future__ import annotations
 
-import logging
 import time
 
-log = logging.getLogger("h3_turbo")
+from . import state
+from .logs import log
 
 ROUTE = "/h3turbo/ready"
 RESCAN_MIN_INTERVAL_S = 5.0
 AUTO_RESCAN_S = 30.0
 
 _registered = False
-_static: dict = {}
+_static: dict = state.Store("ready_route_static").data   # versions and device, read once
 _last_rescan = 0.0
 
 
@@ -59,28 +59,32 @@ def _static_info() -> dict:
     return _static
 
 
-_node_ids_cache: list[str] = []
+#: "node_classes": the callable register_routes was given; "ids": the registered node ids, once known
+_NODES = state.Store("ready_route_nodes")
 
 
 def _node_ids() -> list[str]:
     """Ids of the pack's node classes that ComfyUI's registry maps to these very classes."""
-    if _node_ids_cache:
-        return list(_node_ids_cache)
+    with _NODES.lock:
+        if _NODES.data.get("ids"):
+            return list(_NODES.data["ids"])
+        node_classes = _NODES.data.get("node_classes")
+    if node_classes is None:
+        return []
     try:
         import nodes  # ComfyUI's
 
-        from .nodes import all_nodes
-
         ids = []
-        for cls in all_nodes():
+        for cls in node_classes():
             nid = cls.GET_SCHEMA().node_id
             if nodes.NODE_CLASS_MAPPINGS.get(nid) is cls:
                 ids.append(nid)
     except Exception as e:
         log.debug("h3_turbo: node registry not readable yet: %s", e)
         return []
-    _node_ids_cache[:] = sorted(ids)
-    return list(_node_ids_cache)
+    with _NODES.lock:
+        _NODES.data["ids"] = sorted(ids)
+    return sorted(ids)
 
 
 def ready_payload() -> dict:
@@ -119,14 +123,20 @@ def _adapter_loads() -> dict:
         return {"error": f"{type(e).__name__}: {e}"}
 
 
-def register_routes(server=None) -> bool:
+def register_routes(server=None, node_classes=None) -> bool:
     """Add ``GET /h3turbo/ready`` to ``PromptServer.instance.routes`` and start the Turbo LoRA scan.
 
     Idempotent. Returns False (logged once) when there is no PromptServer (in-process harness runs):
     the scan still starts so ``state`` is filled. ``server`` overrides ``PromptServer.instance`` (tests).
+    ``node_classes``: a callable returning the pack's node classes (the extension passes
+    ``nodes.all_nodes``), reported under ``nodes`` once ComfyUI has registered them.
     """
     global _registered, _last_rescan
     from .adapters.scan import SCANNER
+
+    if node_classes is not None:
+        with _NODES.lock:
+            _NODES.data["node_classes"] = node_classes
 
     SCANNER.start()
     _last_rescan = time.monotonic()

@@ -110,17 +110,24 @@ class KeySet(Store):
             return True
 
 
+class _Counts(dict):
+    """A dict whose missing keys read as 0 (without being inserted); ``update`` sets, as for any dict."""
+
+    def __missing__(self, key):
+        return 0
+
+
 class Counters(Store):
-    """Named counters (``collections.Counter``): :meth:`incr`, ``counts`` (a copy)."""
+    """Named counters: :meth:`incr`, ``counts`` (a copy); ``data`` reads 0 for a counter never incremented."""
 
     def __init__(self, name: str, keys: tuple[str, ...] = ()):
         super().__init__(name, describe=lambda d: dict(d))
-        self.data = collections.Counter({k: 0 for k in keys})
+        self.data = _Counts({k: 0 for k in keys})
         self._keys = keys
 
     def incr(self, key: str, n: int = 1) -> None:
         with self.lock:
-            self.data[key] += n
+            self.data[key] = self.data[key] + n
 
     def __getitem__(self, key: str) -> int:
         return self.data[key]

@@ -16,7 +16,7 @@ with block-diagonal B runs as three rank-r products written into the Q/K/V colum
 (strided GEMM output: no rank-3r product, no [s, 3*inner] temporary).
 
 Fused route: when the wrapped layer is one of the pack's NVFP4 layers running a GPU kernel path (it
-offers ``h3turbo_fusable``/``h3turbo_lora_forward``, see ``nodes/loader.py``), nothing wrapped its forward
+implements ``runtime.layer.FusedLoRALinear``), nothing wrapped its forward
 before us, the layer accepts the call (``h3turbo_fusable``: GPU kernel path, no patch/offload, no
 ``pre_quant_scale``) and the adapter tensors are on the activation's device, base + branch are computed together by
 ``kernels.dispatch.linear_with_lora``: the same formula with the update folded into the per-call weight
@@ -45,19 +45,15 @@ import weakref
 import torch
 import torch.nn.functional as F
 
+from ..errors import CoverageError as TurboCoverageError
+from ..runtime.layer import fusable_check
+
 log = logging.getLogger("h3_turbo")
 
 _MISSING = object()
 _SHOW = 8
 
 
-class TurboCoverageError(RuntimeError):
-    """Some Turbo LoRA targets did not run during a diffusion-model call."""
-
-
-# ComfyUI shows errors as '<module>.<class>: message'; the pack's module path depends on the folder
-# it was installed in, so name the class by the package.
-TurboCoverageError.__module__ = "h3_turbo"
 
 
 class TargetParams(torch.nn.Module):
@@ -314,7 +310,7 @@ class TurboBranch:
                     slot = capture.setdefault(block, {}) if capt else None
                     # the loader's NVFP4 layers compute base + branch together (kernels.dispatch.linear_with_lora),
                     # but only when nothing else wrapped the layer's forward before us
-                    fusable = getattr(module, "h3turbo_fusable", None) if "forward" not in module.__dict__ else None
+                    fusable = fusable_check(module)
                     self._wrap(module, self._make_fn(module.forward, p, idx, coef, slot, live, fusable))
             except BaseException:
                 self._restore()

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import logging
 import os
-import threading
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
@@ -33,9 +32,18 @@ WRAPPER_KEY = "h3turbo_lora"
 BUDGET_ENV = "H3TURBO_LORA_BUDGET_MB"
 DEFAULT_BUDGET_MB = 8192
 
-LOAD_STATS = {"loads": 0, "hits": 0, "evictions": 0}
-_lock = threading.RLock()
-_cache: "OrderedDict[str, ResidentAdapter]" = OrderedDict()
+def _drop_all(cache: dict) -> None:
+    for k in list(cache):
+        state.drop_resident_turbo(k)
+
+
+#: resident adapters by SHA-256, least recently used first (state store; clear() drops them all)
+_RESIDENT = state.Store("turbo_adapters", ordered=True, on_clear=_drop_all,
+                        describe=lambda d: {"adapters": len(d), "bytes": sum(r.nbytes for r in d.values())})
+_cache: "OrderedDict[str, ResidentAdapter]" = _RESIDENT.data
+_lock = _RESIDENT.lock
+#: file reads, cache hits and evictions (tests assert them)
+LOAD_STATS = state.Counters("turbo_adapter_loads", ("loads", "hits", "evictions")).data
 
 
 @dataclass
@@ -155,10 +163,7 @@ def resident_keys() -> list[str]:
 
 def clear() -> None:
     """Drop every cached adapter (tests)."""
-    with _lock:
-        for k in list(_cache.keys()):
-            state.drop_resident_turbo(k)
-        _cache.clear()
+    _RESIDENT.clear()
 
 
 def note_sampling_run(model_options: dict) -> str:

@@ -31,16 +31,17 @@ import json
 import logging
 import os
 import re
-import threading
 from dataclasses import dataclass, field
 
 import torch
 
+from .. import state
+from ..errors import TurboLoRAError
+from ..model_facts import PROJECTIONS
 from . import contracts
 
 log = logging.getLogger("h3_turbo")
 
-PROJECTIONS = ("attn.qkv_proj", "attn.out_proj", "mlp.fc1", "mlp.fc2")
 DIFFUSERS_DEFAULT_ALPHA = 8.0  # reference trainer default when __metadata__["alpha"] is absent (lightx2v-h3.md §1.2)
 _SHOW = 5  # keys shown per error list
 
@@ -66,13 +67,6 @@ _DIFF_PROJ = {"attn.to_q": ("attn.qkv_proj", 0), "attn.to_k": ("attn.qkv_proj", 
               "ff.net.0.proj": ("mlp.fc1", None), "ff.net.2": ("mlp.fc2", None)}
 
 
-class TurboLoRAError(ValueError):
-    """A Turbo LoRA file that cannot be used (message names the file, the keys and what was expected)."""
-
-
-# ComfyUI shows errors as '<module>.<class>: message'; the pack's module path depends on the folder
-# it was installed in, so name the class by the package.
-TurboLoRAError.__module__ = "h3_turbo"
 
 
 def _part(p: str) -> str:
@@ -216,9 +210,10 @@ def validate_targets(shapes: dict[str, tuple[tuple, tuple]], dims: dict[str, tup
 # ---------------------------------------------------------------------------------------------
 # Hashing (cached by path + size + mtime: a 2 GB file is hashed once per process)
 # ---------------------------------------------------------------------------------------------
-_hash_lock = threading.Lock()
-_hash_cache: dict[tuple[str, int, int], str] = {}
-HASH_STATS = {"hashed": 0}
+_HASHES = state.Store("file_sha256")          # (real path, size, mtime_ns) -> hex digest
+_hash_lock = _HASHES.lock
+_hash_cache: dict[tuple[str, int, int], str] = _HASHES.data
+HASH_STATS = state.Counters("file_sha256_stats", ("hashed",)).data
 
 
 def _stat_key(path: str) -> tuple[str, int, int]:
@@ -321,7 +316,7 @@ def _with(c: contracts.TurboContract, **kw) -> contracts.TurboContract:
     return contracts.TurboContract(**d)
 
 
-_variant_cache: dict[tuple[str, int, int], str | None] = {}
+_variant_cache: dict[tuple[str, int, int], str | None] = state.Store("turbo_variant_by_header").data
 
 
 def metadata_variant(path: str) -> str | None:

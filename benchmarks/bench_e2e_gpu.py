@@ -15,7 +15,7 @@ Part 2 (PART2=1): full-width, partial-depth H3 (hidden 5376, 56x128 heads, ffn 1
 blocks + 2 refiner blocks), random weights generated on the GPU, projections quantized with
 ``formats.nvfp4.quantize``, written as a ComfyUI-native NVFP4 safetensors (real key layout) plus a rank-128
 Turbo LoRA (qkv 384) in the loras folder; then, per compute in (reference = core's dequant path, exact,
-fp8): ``nodes.loader.load_h3_model`` (the loader node's logic) -> optional ``H3TurboLoRA.execute`` ->
+fp8): ``runtime.loading.load_h3_model`` (the loader node's logic) -> optional ``H3TurboLoRA.execute`` ->
 ``H3TurboAttention.execute(auto)`` -> ``comfy.model_management.load_models_gpu`` -> the DiT forward at
 960x544x124 (video [1,24,37,34,60], audio [1,32,2,207]: 19584 rows), with the model's own
 transformer_options (attention override, wrappers). Per-block time: CUDA events around each DiT block
@@ -235,7 +235,7 @@ def part2(models):
 
     from h3_turbo.nodes import attention as nattn
     from h3_turbo.nodes import lora as nlora
-    from h3_turbo.nodes.loader import load_h3_model
+    from h3_turbo.runtime.loading import load_h3_model
     from h3_turbo.tools.fixtures import make_turbo_lora
 
     from safetensors.torch import save_file

@@ -35,6 +35,9 @@ from h3_turbo.formats import nvfp4 as fmt  # noqa: E402
 from h3_turbo.kernels import dispatch as dsp  # noqa: E402
 from h3_turbo.kernels import nvfp4_ref as ref  # noqa: E402
 from h3_turbo.kernels import triton_nvfp4 as tk  # noqa: E402
+from h3_turbo.kernels.paths import fp8 as fp8_path  # noqa: E402
+from h3_turbo.kernels.paths.exact import PATH as EXACT  # noqa: E402
+from h3_turbo.kernels.paths.fp8 import PATH as FP8  # noqa: E402
 
 try:
     import comfy_kitchen as ck
@@ -104,9 +107,9 @@ try:
             c[f"fused_m{m}_rel"] = rel(o, r64)
             c[f"fused_m{m}_all_finite"] = bool(torch.isfinite(o).all())
             if m >= 1000:
-                dsp.EXACT_STRATEGY = "tiled"
+                EXACT.settings.strategy = "tiled"
                 c[f"tiled_m{m}_rel"] = rel(dsp.linear(x, pe, "exact"), r64)
-                dsp.EXACT_STRATEGY = "auto"
+                EXACT.settings.strategy = "auto"
         # weight-side fold from the native storage: bit-exact without LoRA; with LoRA vs float64
         fo = torch.full((n, k), float("nan"), device=dev, dtype=torch.bfloat16)
         tk.fold_weight(q, bs, gs.float().reshape(1), n, k, fo)
@@ -123,10 +126,10 @@ try:
             pe8 = dsp.prepare(p, "fp8")
             x = torch.randn(2048, k, device=dev).to(torch.bfloat16)
             r64l = dsp.lora_reference(x[:SAMPLE], pe, A, Bc, 0.9, 3)
-            o8 = dsp._fp8_fold(x, pe8, lora=(A, Bc, 0.9, n // 3, None))
+            o8 = fp8_path.fold_per_call(x, pe8, (A, Bc, 0.9, n // 3, None))
             c["fp8_fold_lora_rel"] = rel(o8[:SAMPLE], r64l)
             c["fp8_base_rel"] = rel(dsp.linear(x[:SAMPLE], pe8, "fp8"), x[:SAMPLE].double() @ want.double().t())
-            c["exact_full_lora_rel"] = rel(dsp._exact_full(x, pe, lora=(A, Bc, 0.9, n // 3))[:SAMPLE], r64l)
+            c["exact_full_lora_rel"] = rel(EXACT.full(x, pe, lora=(A, Bc, 0.9, n // 3))[:SAMPLE], r64l)
             del A, Bc, pe8, w64
         del fo
         x = torch.randn(333, k, device=dev).to(torch.bfloat16)
@@ -174,20 +177,20 @@ for S in S_LIST:
 
             def exact_with(strategy, lora=False):
                 def f():
-                    dsp.EXACT_STRATEGY = strategy
+                    EXACT.settings.strategy = strategy
                     try:
                         if lora:
                             return dsp.linear_with_lora(x, pe, "exact", A, B, lscale, blocks, amax_a=amax_a)
                         return dsp.linear(x, pe, "exact")
                     finally:
-                        dsp.EXACT_STRATEGY = "auto"
+                        EXACT.settings.strategy = "auto"
                 return f
 
             def fp8_lora(fold=True, key=None, switch=False):
                 tick = [0]
 
                 def f():
-                    dsp.LORA_FOLD = fold
+                    FP8.settings.lora_fold = fold
                     try:
                         k_ = key
                         if switch:  # every call needs another fold: the adapter-switch cost, worst case
@@ -195,7 +198,7 @@ for S in S_LIST:
                             k_ = ("switch", tick[0] % 2)
                         return dsp.linear_with_lora(x, p8, "fp8", A, B, lscale, blocks, amax_a=amax_a, fold_key=k_)
                     finally:
-                        dsp.LORA_FOLD = True
+                        FP8.settings.lora_fold = True
                 return f
             amax_a = A.abs().amax(dim=1).float()   # cached per adapter target by the runtime branch
             meth["exact_fused"] = exact_with("fused")

@@ -2,7 +2,7 @@
 
 1. ``formats.nvfp4.quantize`` on CUDA is bit-identical to the CPU result (the loader quantizes BF16
    files on the GPU), and its speed on the four projection shapes.
-2. The H3 Turbo operations (``nodes.loader.make_operations``) on real-size NVFP4 projections: core's
+2. The H3 Turbo operations (``runtime.ops.make_operations``) on real-size NVFP4 projections: core's
    forward (dequantize + bf16 matmul) vs the ``exact`` / ``fp8`` paths routed through
    ``kernels.dispatch`` (``install``-style ``_h3_path``): max relative error vs a float64 reference and
    median time.
@@ -54,7 +54,7 @@ def ops_check():
     from comfy_kitchen.tensor import QuantizedTensor  # noqa: F401
 
     from h3_turbo.formats import nvfp4
-    from h3_turbo.nodes.loader import make_operations
+    from h3_turbo.runtime.ops import make_operations
 
     dev = torch.device("cuda")
     ops = make_operations(dev, compute_dtype=torch.bfloat16)

@@ -208,3 +208,10 @@ def dequantize_fp64(qdata: torch.Tensor, scale: torch.Tensor, block_scale: torch
                     hi_first: bool = True) -> torch.Tensor:
     """Exact float64 dequantization (no rounding anywhere: every product is exact in fp64)."""
     return dequantize(qdata, scale.double(), block_scale, torch.float64, hi_first)
+
+
+def bad_scale_counts(block_scale: torch.Tensor) -> tuple[int, int]:
+    """(NaN, negative) counts among e4m3 block scales given as float8_e4m3fn or uint8 bytes: NaN is the
+    byte 0x7F/0xFF, negative has the sign bit set (a negative zero counts as negative)."""
+    u = block_scale.contiguous().view(-1).view(torch.uint8)
+    return int(((u & 0x7F) == 0x7F).sum()), int(((u & 0x80) != 0).sum())

@@ -19,11 +19,13 @@ from __future__ import annotations
 import inspect
 import logging
 import os
+from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
+from .. import state
 from .triton_interp import rne_bf16, rne_e4m3
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
@@ -184,11 +186,18 @@ def _prune(configs, named_args, **kw):
 _AUTOTUNE_DISK = {"cache_results": True} if "cache_results" in inspect.signature(triton.autotune).parameters else {}
 _gemm_tuned = triton.autotune(configs=_gemm_configs(), key=["M_BUCKET", "N", "K", "HAS_LORA"],
                               prune_configs_by={"early_config_prune": _prune}, **_AUTOTUNE_DISK)(_nvfp4_gemm_kernel)
-_tuned_keys: set = set()
+#: (M bucket, N, K, LoRA) shapes already autotuned in this process (their first use is logged)
+_TUNED = state.KeySet("nvfp4_gemm_tuned")
 _log = logging.getLogger("h3_turbo")
 
-#: config forced by tests / callers (dict of BM, BN, GROUP_M, num_warps, num_stages) or None = autotune
-FORCED_CONFIG: dict | None = None
+
+@dataclass
+class GemmSettings:
+    #: config forced by tests / callers (dict of BM, BN, GROUP_M, SWAP, num_warps, num_stages); None = autotune
+    forced_config: dict | None = None
+
+
+SETTINGS = GemmSettings()
 
 
 def m_bucket(m: int) -> int:
@@ -217,7 +226,8 @@ def gemm_exact(x2d: torch.Tensor, qs: torch.Tensor, scales: torch.Tensor, gs: to
         raise ValueError(f"gemm_exact: 32-bit offsets overflow for M={m}, N={n}, K={k}; split the rows")
     if lora is not None:
         h, bc, lscale, nb = lora
-        bn_ok = nb % 64 == 0 or (FORCED_CONFIG is not None and nb % FORCED_CONFIG["BN"] == 0)
+        forced = SETTINGS.forced_config
+        bn_ok = nb % 64 == 0 or (forced is not None and nb % forced["BN"] == 0)
         if not bn_ok:
             raise ValueError(f"gemm_exact: fused LoRA needs rows per block ({nb}) divisible by 64")
         r = bc.shape[1]
@@ -231,8 +241,8 @@ def gemm_exact(x2d: torch.Tensor, qs: torch.Tensor, scales: torch.Tensor, gs: to
     grid = lambda meta: (triton.cdiv(m, meta["BM"]) * triton.cdiv(n, meta["BN"]),)  # noqa: E731
     common = (x2d, qs, scales, gs, out, *args, m, n, k, nkb, x2d.stride(0), out.stride(0), stride_h, r, nb,
               m_bucket(m), INTERPRET)
-    if FORCED_CONFIG is not None:
-        c = dict(FORCED_CONFIG)
+    if SETTINGS.forced_config is not None:
+        c = dict(SETTINGS.forced_config)
         c.setdefault("SWAP", False)
         nw, ns = c.pop("num_warps", 4), c.pop("num_stages", 1)
         g = (triton.cdiv(m, c["BM"]) * triton.cdiv(n, c["BN"]),)
@@ -240,8 +250,7 @@ def gemm_exact(x2d: torch.Tensor, qs: torch.Tensor, scales: torch.Tensor, gs: to
                               num_warps=nw, num_stages=ns)
     else:
         key = (m_bucket(m), n, k, has_lora)
-        if key not in _tuned_keys:
-            _tuned_keys.add(key)
+        if _TUNED.add_new(key):
             _log.info("H3 Turbo exact: autotuning the fused NVFP4 GEMM for rows<=%d N=%d K=%d%s "
                       "(first use of this shape; can take ~10-50 s%s)", key[0], n, k, " +LoRA" if has_lora else "",
                       ", cached on disk" if _AUTOTUNE_DISK else "")

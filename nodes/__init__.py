@@ -33,7 +33,7 @@ class H3TurboExtension(ComfyExtension):
     async def on_load(self) -> None:
         from ..server_routes import register_routes
 
-        register_routes()
+        register_routes(node_classes=all_nodes)
 
     async def get_node_list(self) -> list[type[io.ComfyNode]]:
         return all_nodes()

@@ -39,7 +39,7 @@ class H3TurboTestConditioning(io.ComfyNode):
                         "the 32 B text encoder. Not a prompt: use MiniMaxH3ImageToVideo for real prompts.",
             inputs=[
                 io.Model.Input("model"),
-                io.Int.Input("seed", default=0, min=0, max=2**31 - 1),
+                io.Int.Input("seed", default=0, min=0, max=2**31 - 1, control_after_generate=io.ControlAfterGenerate.fixed),
                 io.Int.Input("tokens", default=16, min=1, max=4096),
             ],
             outputs=[io.Conditioning.Output()],

@@ -37,6 +37,8 @@ import torch
 
 from ..adapters import contracts
 from .. import state
+from ..errors import TurboContractError
+from ..logs import log_once
 from .schedules import audio_grid_from_video, audio_shift_for, shifted_grid
 
 log = logging.getLogger("h3_turbo")
@@ -48,22 +50,6 @@ OUR_WRAPPER_PREFIXES = ("h3_turbo", "h3turbo")
 GRID_TOL = 1e-6
 STATE_DTYPES = ("fp32", "model")
 
-_logged_once: set[str] = set()
-
-
-def _log_once(key: str, msg: str, *args) -> None:
-    if key not in _logged_once:
-        _logged_once.add(key)
-        log.info(msg, *args)
-
-
-class TurboContractError(ValueError):
-    """A sampling-time violation of a Turbo contract (wrong steps, grid, CFG, cache, shift patch)."""
-
-
-# ComfyUI shows errors as '<module>.<class>: message'; the pack's module path depends on the folder
-# it was installed in, so name the class by the package.
-TurboContractError.__module__ = "h3_turbo"
 
 
 # --------------------------------------------------------------------------------------------------
@@ -248,7 +234,7 @@ def check_shift_patch(contract: contracts.TurboContract, model_sampling, patched
                 f"{SAMPLER_NAME}: the MODEL's {where} disagrees with {_who(contract)}: {', '.join(bad)}. "
                 f"Set ModelSamplingMiniMaxH3 to {contract.shift_video:g}/{contract.shift_audio:g} or remove it.")
     if not patched:
-        _log_once("unpatched-shift", "%s: model_sampling is not patched; the sampler sets the shifts per call "
+        log_once(("sampler", "unpatched-shift"), "%s: model_sampling is not patched; the sampler sets the shifts per call "
                   "from the Turbo contract (%g/%g).", SAMPLER_NAME, contract.shift_video, contract.shift_audio)
 
 
@@ -380,7 +366,7 @@ def sample_h3_turbo(model, x, sigmas, extra_args=None, callback=None, disable=No
             raise ValueError(f"{SAMPLER_NAME}: the model's model_sampling ({type(ms).__name__}) has no "
                              f"audio_shift: not an H3 (ModelSamplingAV) model.")
         shift_a = float(shift_a)
-        _log_once("no-contract", "%s: no Turbo contract attached; audio grid from model_sampling shifts %g/%g.",
+        log_once(("sampler", "no-contract"), "%s: no Turbo contract attached; audio grid from model_sampling shifts %g/%g.",
                   SAMPLER_NAME, shift_v, shift_a)
 
     sv = [float(s) for s in sigmas.detach().double().cpu().tolist()]
@@ -425,7 +411,7 @@ def sample_h3_turbo(model, x, sigmas, extra_args=None, callback=None, disable=No
         elif contract is None:
             # CFG > 1 (cond + uncond forwards) or a cache that skipped _forward: read the combined
             # velocities from core's packed denoised by inverting core's carried conversion (exact algebra)
-            _log_once(f"from-denoised-{cap.calls}", "%s: the diffusion model ran %d times in one step (CFG > 1 "
+            log_once(("sampler", f"from-denoised-{cap.calls}"), "%s: the diffusion model ran %d times in one step (CFG > 1 "
                       "or a denoiser cache); reading the velocities from core's denoised instead of the captured "
                       "output.", SAMPLER_NAME, cap.calls)
             v_v, v_a = velocities_from_denoised(pack, den, shapes, sv[i], sa[i], k)

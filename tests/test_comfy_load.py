@@ -42,7 +42,9 @@ def test_quick_test_for_ci_loads_the_pack(tmp_path):
     ids_line = [ln for ln in log.splitlines() if ln.startswith("H3T_IDS ")]
     assert ids_line, log[-4000:]
     ids = set(ids_line[-1].split()[1:])
-    from h3_turbo.tools.workflows import PACK_NODE_TYPES
+    from h3_turbo.tools.workflows import pack_node_types
+
+    PACK_NODE_TYPES = pack_node_types()
 
     assert {"H3TurboTestConditioning", "H3TurboSaveLatentPreview"} <= ids
     # every pack node the example workflows use and the pack declares in NODE_MODULES is registered

@@ -13,7 +13,9 @@ import pytest
 import torch
 
 from h3_turbo.formats import nvfp4 as fmt
+from h3_turbo import state
 from h3_turbo.kernels import dispatch as dsp
+from h3_turbo.kernels.paths import base as paths_base
 from h3_turbo.kernels import nvfp4_ref as ref
 
 
@@ -111,7 +113,7 @@ def test_resolve_compute_cpu():
     for mode in ("exact", "fp8", "blackwell_fp4"):
         with pytest.raises(ValueError, match="needs a CUDA GPU"):
             dsp.resolve_compute(mode, cpu)
-    with pytest.raises(ValueError, match="not one of"):
+    with pytest.raises(ValueError, match="expected one of"):
         dsp.resolve_compute("fast", cpu)
 
 
@@ -128,12 +130,12 @@ def test_resolve_compute_cpu():
     ((10, 0), True, True, 13, False, "fp8"),     # no comfy-kitchen
 ])
 def test_resolve_compute_auto_mocked(monkeypatch, caplog, cc, fp8_ok, triton_ok, cuda_major, ck_ok, expect):
-    monkeypatch.setattr(dsp, "_capability", lambda d: cc)
-    monkeypatch.setattr(dsp, "_probe_fp8", lambda i: (fp8_ok, "mock"))
-    monkeypatch.setattr(dsp, "_has_triton", lambda: triton_ok)
-    monkeypatch.setattr(dsp, "_cuda_major", lambda: cuda_major)
-    monkeypatch.setattr(dsp, "_has_ck_fp4", lambda: ck_ok)
-    monkeypatch.setattr(dsp, "_logged", set())
+    monkeypatch.setattr(paths_base, "capability", lambda d: cc)
+    monkeypatch.setattr(paths_base, "probe_fp8", lambda i: (fp8_ok, "mock"))
+    monkeypatch.setattr(paths_base, "has_triton", lambda: triton_ok)
+    monkeypatch.setattr(paths_base, "cuda_major", lambda: cuda_major)
+    monkeypatch.setattr(paths_base, "has_ck_fp4", lambda: ck_ok)
+    state.LOGGED.clear()
     dev = torch.device("cuda", 0)
     with caplog.at_level(logging.INFO, logger="h3_turbo"):
         path, reason = dsp.resolve_compute("auto", dev)
@@ -144,21 +146,21 @@ def test_resolve_compute_auto_mocked(monkeypatch, caplog, cc, fp8_ok, triton_ok,
 
 def test_resolve_compute_explicit_raises_where_unsupported(monkeypatch):
     dev = torch.device("cuda", 0)
-    monkeypatch.setattr(dsp, "_capability", lambda d: (8, 6))
-    monkeypatch.setattr(dsp, "_probe_fp8", lambda i: (False, "mock"))
-    monkeypatch.setattr(dsp, "_has_triton", lambda: True)
-    monkeypatch.setattr(dsp, "_cuda_major", lambda: 13)
-    monkeypatch.setattr(dsp, "_has_ck_fp4", lambda: True)
+    monkeypatch.setattr(paths_base, "capability", lambda d: (8, 6))
+    monkeypatch.setattr(paths_base, "probe_fp8", lambda i: (False, "mock"))
+    monkeypatch.setattr(paths_base, "has_triton", lambda: True)
+    monkeypatch.setattr(paths_base, "cuda_major", lambda: 13)
+    monkeypatch.setattr(paths_base, "has_ck_fp4", lambda: True)
     assert dsp.resolve_compute("exact", dev)[0] == "exact"
     with pytest.raises(ValueError, match="no FP8 tensor cores"):
         dsp.resolve_compute("fp8", dev)
     with pytest.raises(ValueError, match="FP4"):
         dsp.resolve_compute("blackwell_fp4", dev)
-    monkeypatch.setattr(dsp, "_has_triton", lambda: False)
+    monkeypatch.setattr(paths_base, "has_triton", lambda: False)
     with pytest.raises(ValueError, match="Triton"):
         dsp.resolve_compute("exact", dev)
-    monkeypatch.setattr(dsp, "_capability", lambda d: (9, 0))
-    monkeypatch.setattr(dsp, "_has_triton", lambda: True)
+    monkeypatch.setattr(paths_base, "capability", lambda d: (9, 0))
+    monkeypatch.setattr(paths_base, "has_triton", lambda: True)
     with pytest.raises(ValueError, match="_scaled_mm|mock"):
         dsp.resolve_compute("fp8", dev)
 
@@ -188,7 +190,7 @@ def test_linear_reference_shapes_fallback_logged_once(monkeypatch, caplog):
     assert rel(y.reshape(-1, n), want) < 1e-2
     with pytest.raises(ValueError, match="in_features"):
         dsp.linear(x[..., :64], dsp.prepare(p, "reference"), "reference")
-    monkeypatch.setattr(dsp, "_logged", set())
+    state.LOGGED.clear()
     pr = dsp.prepare(p, "exact")
     with caplog.at_level(logging.WARNING, logger="h3_turbo"):
         y1 = dsp.linear(x.float(), pr, "exact")

@@ -21,6 +21,9 @@ import torch  # noqa: E402
 from h3_turbo.kernels import dispatch as dsp  # noqa: E402
 from h3_turbo.kernels import nvfp4_ref as ref  # noqa: E402
 from h3_turbo.kernels import triton_nvfp4 as _tk  # noqa: E402
+from h3_turbo.kernels.paths import base as paths_base  # noqa: E402
+from h3_turbo.kernels.paths import fp8 as fp8_path  # noqa: E402
+from h3_turbo.kernels.paths.exact import PATH as EXACT  # noqa: E402
 
 from test_kernels import make_packed, rel  # noqa: E402  (tests/ is on sys.path: rootdir conftest)
 
@@ -28,7 +31,7 @@ from test_kernels import make_packed, rel  # noqa: E402  (tests/ is on sys.path:
 @pytest.fixture(scope="module")
 def tk():
     assert _tk.INTERPRET
-    _tk.FORCED_CONFIG = None
+    _tk.SETTINGS.forced_config = None
     return _tk
 
 
@@ -54,10 +57,10 @@ def test_triton_dequant_bit_exact_and_poison_overwritten(tk, n, k):
 @pytest.fixture(params=[False, True], ids=["x_by_wT", "swapped_w_by_xT"])
 def swap(request, tk):
     """Both kernel variants: W via shared memory, and W as the register operand (SWAP)."""
-    tk.FORCED_CONFIG = {"BM": 16, "BN": 32, "GROUP_M": 4, "SWAP": request.param, "num_warps": 4,
+    tk.SETTINGS.forced_config = {"BM": 16, "BN": 32, "GROUP_M": 4, "SWAP": request.param, "num_warps": 4,
                         "num_stages": 1}
     yield request.param
-    tk.FORCED_CONFIG = None
+    tk.SETTINGS.forced_config = None
 
 
 @pytest.mark.parametrize("n,k", SHAPES)
@@ -122,12 +125,12 @@ def test_exact_tiled_strategy_with_merged_lora_tiles(tk, monkeypatch, blocks, r,
     g = torch.Generator().manual_seed(8)
     x = torch.randn(m, k, generator=g).to(torch.bfloat16)
     A, Bc = _lora_ab(g, blocks * r, n, r, k)
-    monkeypatch.setattr(dsp, "TILE_ROWS", tile)
-    monkeypatch.setattr(dsp, "_TILE_BUFS", {})
-    base = dsp._exact_tiled(x, pr)
+    monkeypatch.setattr(EXACT.settings, "tile_rows", tile)
+    paths_base.WORK_BUFFERS.clear()
+    base = EXACT.tiled(x, pr)
     w = ref.dequant_exact(p.qdata, p.block_scale, p.global_scale, n, k)
     assert torch.equal(base, torch.nn.functional.linear(x, w))  # same bf16 weight, same GEMM per tile
-    got = dsp._exact_tiled(x, pr, lora=(A, Bc, 0.5, n // blocks))
+    got = EXACT.tiled(x, pr, lora=(A, Bc, 0.5, n // blocks))
     want = dsp.lora_reference(x, p, A, Bc, 0.5, blocks)
     assert rel(got, want) < 1e-2
     unf = dsp.linear_with_lora(x, dsp.prepare(p, "reference"), "reference", A, Bc, 0.5, blocks)
@@ -215,7 +218,7 @@ def test_fold_weight_fp8_rowwise_bound_and_bytes(tk, blocks, r, dist):
 def test_exact_full_and_fp8_fold_paths_on_cpu(tk, monkeypatch):
     """dispatch._exact_full / _fp8_fold (the large-M Turbo paths) computed on the CPU: base equals F.linear on the
     exact weight; with LoRA they match the float64 branch within bf16 (exact) / fp8 (<= 5%) bounds."""
-    monkeypatch.setattr(dsp, "_SCRATCH", {})
+    paths_base.WORK_BUFFERS.clear()
     n, k, m, blocks, r = 192, 256, 33, 3, 4
     p = make_packed(n, k, seed=17)
     pe, p8 = dsp.prepare(p, "exact"), dsp.prepare(p, "fp8")
@@ -223,13 +226,13 @@ def test_exact_full_and_fp8_fold_paths_on_cpu(tk, monkeypatch):
     x = torch.randn(m, k, generator=g).to(torch.bfloat16)
     A, Bc = _lora_ab(g, blocks * r, n, r, k)
     w = ref.dequant_exact(p.qdata, p.block_scale, p.global_scale, n, k)
-    assert torch.equal(dsp._exact_full(x, pe), torch.nn.functional.linear(x, w))
+    assert torch.equal(EXACT.full(x, pe), torch.nn.functional.linear(x, w))
     want = dsp.lora_reference(x, p, A, Bc, 0.5, blocks)
-    got = dsp._exact_full(x, pe, lora=(A, Bc, 0.5, n // blocks))
+    got = EXACT.full(x, pe, lora=(A, Bc, 0.5, n // blocks))
     assert rel(got, want) < 4e-3
     unf = dsp.linear_with_lora(x, pe, "exact", A, Bc, 0.5, blocks)   # CPU: the unfused branch
-    assert rel(got, unf) < 6e-3 and rel(got, dsp._exact_full(x, pe)) > 5e-2
-    got8 = dsp._fp8_fold(x, p8, lora=(A, Bc, 0.5, n // blocks, None))
+    assert rel(got, unf) < 6e-3 and rel(got, EXACT.full(x, pe)) > 5e-2
+    got8 = fp8_path.fold_per_call(x, p8, (A, Bc, 0.5, n // blocks, None))
     e8 = rel(got8, want)
     assert 5e-3 < e8 < 5e-2, e8
     # folding the branch in adds no error class of its own: as far from the float64 branch as the base fp8 GEMM
@@ -240,7 +243,7 @@ def test_exact_full_and_fp8_fold_paths_on_cpu(tk, monkeypatch):
     # a second layer of another shape reuses (and grows) the same buffers; the first result is unaffected
     p2 = make_packed(64, 384, seed=3)
     before = got.clone()
-    dsp._exact_full(torch.randn(5, 384).to(torch.bfloat16), dsp.prepare(p2, "exact"))
+    EXACT.full(torch.randn(5, 384).to(torch.bfloat16), dsp.prepare(p2, "exact"))
     assert torch.equal(before, got)
 
 
@@ -272,22 +275,22 @@ def test_fp8_folded_weight_slot_switches_and_restores_base_bit_identically(tk):
     g = torch.Generator().manual_seed(6)
     A, Bc = _lora_ab(g, blocks * r, n, r, k)
     lt = (A, Bc, 0.5, n // blocks, None)
-    dsp._fp8_set_state(p8, ("t", 0.5), lt)
+    fp8_path.set_state(p8, ("t", 0.5), lt)
     assert p8.state == ("t", 0.5) and p8.refolds == 1
     want = _merged64(p, A, Bc, 0.5, blocks)
     assert rel(p8.w8[:n].double() * p8.sw[0, :n, None].double(), want) < 4e-2
     assert not torch.equal(p8.w8, w8_0)
-    dsp._fp8_set_state(p8, ("t", 0.5), lt)          # same key: nothing to do
+    fp8_path.set_state(p8, ("t", 0.5), lt)          # same key: nothing to do
     assert p8.refolds == 1
-    dsp._fp8_set_state(p8, ("t", 0.25), (A, Bc, 0.25, n // blocks, None))
+    fp8_path.set_state(p8, ("t", 0.25), (A, Bc, 0.25, n // blocks, None))
     assert p8.refolds == 2
     x = torch.randn(5, k, generator=g).to(torch.bfloat16)
     dsp.linear(x, p8, "fp8")                        # a plain call puts the base back (CPU: reference on it)
     assert p8.state is None and p8.refolds == 3
     assert torch.equal(p8.w8.view(torch.uint8), w8_0.view(torch.uint8)) and torch.equal(p8.sw, sw_0)
     with pytest.raises(ValueError):
-        dsp._fp8_set_state(p8, ("t", 1.0), (A[:, :8], Bc, 1.0, n // blocks, None))  # broken operands
-    assert p8.state is dsp._INVALID
+        fp8_path.set_state(p8, ("t", 1.0), (A[:, :8], Bc, 1.0, n // blocks, None))  # broken operands
+    assert p8.state is fp8_path._INVALID
     dsp.linear(x, p8, "fp8")
     assert p8.state is None and torch.equal(p8.w8.view(torch.uint8), w8_0.view(torch.uint8))
 
@@ -303,9 +306,9 @@ def test_fp8_base_restored_bit_identically_over_seeds(tk, seed):
     w8_0, sw_0, am_0 = p8.w8.clone(), p8.sw.clone(), p8.amax_w.clone()
     g = torch.Generator().manual_seed(seed)
     A, Bc = _lora_ab(g, 12, n, 4, k)
-    dsp._fp8_set_state(p8, ("k", 1.0), (A, Bc, 1.0, n // 3, None))
+    fp8_path.set_state(p8, ("k", 1.0), (A, Bc, 1.0, n // 3, None))
     assert not torch.equal(p8.w8.view(torch.uint8), w8_0.view(torch.uint8))
-    dsp._fp8_set_state(p8, None, None)
+    fp8_path.set_state(p8, None, None)
     assert torch.equal(p8.w8.view(torch.uint8), w8_0.view(torch.uint8))
     assert torch.equal(p8.sw, sw_0) and torch.equal(p8.amax_w, am_0)
 
@@ -367,7 +370,7 @@ def test_fp8_base_from_kernel_dequant_equals_torch_path(tk, n, k):
         w8 = torch.zeros(ref.fmt.roundup(n, 16), k, dtype=torch.float8_e4m3fn)
         sw = torch.ones(ref.fmt.roundup(n, 16))
         am = torch.zeros(n)
-        dsp._fp8_base_into(p, w8, sw, am, step=128, use_triton=use_triton)
+        fp8_path.base_into(p, w8, sw, am, step=128, use_triton=use_triton)
         res.append((w8.view(torch.uint8), sw, am))
     assert all(torch.equal(a, b) for a, b in zip(*res))
     assert torch.equal(res[0][0], dsp.prepare(p, "fp8").w8.view(torch.uint8))
@@ -385,6 +388,6 @@ def test_fp8_slot_switches_outside_inference_mode_for_a_weight_prepared_inside(t
     A = (torch.randn(12, k) * 0.05).to(torch.bfloat16)
     Bc = (torch.randn(n, 4) * 0.05).to(torch.bfloat16)
     with torch.no_grad():
-        dsp._fp8_set_state(p8, ("k", 1.0), (A, Bc, 1.0, n // 3, None))
+        fp8_path.set_state(p8, ("k", 1.0), (A, Bc, 1.0, n // 3, None))
         dsp.linear(torch.randn(3, k).to(torch.bfloat16), p8, "fp8")
     assert p8.state is None and torch.equal(p8.w8.view(torch.uint8), w8_0.view(torch.uint8))

@@ -145,7 +145,7 @@ def test_model_size_reported_is_packed(comfy, fixtures_dir):
     from h3_turbo import state
     from h3_turbo.formats.detect import detect
     from h3_turbo.formats.safetensors_io import read_header
-    from h3_turbo.nodes.loader import load_h3_model
+    from h3_turbo.runtime.loading import load_h3_model
 
     ours = load_h3_model(fixtures_dir["nvfp4"], "reference")
     plain = comfy.sd.load_diffusion_model(fixtures_dir["bf16"])
@@ -161,7 +161,7 @@ def test_model_size_reported_is_packed(comfy, fixtures_dir):
 
 
 def test_cached_patcher_init_rebuilds(comfy, fixtures_dir):
-    from h3_turbo.nodes.loader import load_h3_model
+    from h3_turbo.runtime.loading import load_h3_model
 
     mp = load_h3_model(fixtures_dir["nvfp4"], "auto")
     fn, args = mp.cached_patcher_init
@@ -173,7 +173,7 @@ def test_cached_patcher_init_rebuilds(comfy, fixtures_dir):
 
 
 def test_compute_modes_on_cpu(comfy, fixtures_dir, caplog):
-    from h3_turbo.nodes.loader import load_h3_model, resolve_compute
+    from h3_turbo.runtime.loading import load_h3_model, resolve_compute
 
     assert resolve_compute("auto", torch.device("cpu"))[0] == "reference"
     assert resolve_compute("reference", torch.device("cpu")) == ("reference", "requested")
@@ -189,7 +189,7 @@ def test_compute_modes_on_cpu(comfy, fixtures_dir, caplog):
 def test_progress_bar_while_quantizing(comfy, fixtures_dir):
     import comfy.utils
 
-    from h3_turbo.nodes.loader import load_h3_model
+    from h3_turbo.runtime.loading import load_h3_model
 
     seen = []
     old = comfy.utils.PROGRESS_BAR_HOOK
@@ -205,7 +205,7 @@ def test_fp32_island_operations(comfy):
     from comfy_kitchen.tensor import QuantizedTensor
 
     from h3_turbo.formats import nvfp4
-    from h3_turbo.nodes.loader import make_operations
+    from h3_turbo.runtime.ops import make_operations
 
     ops = make_operations(torch.device("cpu"), compute_dtype=torch.bfloat16)
     island = ops.Linear(64, 32, bias=True, dtype=torch.float32)
@@ -229,7 +229,7 @@ def test_fp32_island_operations(comfy):
 
 def test_pre_quant_scale_applies_to_base_path_only(comfy, variants):
     from h3_turbo.formats import nvfp4
-    from h3_turbo.nodes.loader import load_h3_model
+    from h3_turbo.runtime.loading import load_h3_model
 
     d = variants["_dir"]
     sd = load_file(os.path.join(d, "h3_tiny_native_input_scale.safetensors"))
@@ -265,7 +265,8 @@ def test_kernel_dispatch_plumbing_on_cpu(comfy, fixtures_dir, native_sample):
     on a CPU the dispatcher computes its reference (fp32 ``(E2M1*bs)*gs``) -> close to core's output."""
     pytest.importorskip("h3_turbo.kernels.dispatch")
     from h3_turbo.kernels import dispatch
-    from h3_turbo.nodes.loader import install_compute, load_h3_model
+    from h3_turbo.runtime.ops import install_compute
+    from h3_turbo.runtime.loading import load_h3_model
 
     mp = load_h3_model(fixtures_dir["nvfp4"], "reference")
     calls = []
@@ -299,7 +300,9 @@ def test_kernel_work_buffers_released_on_unload(comfy, fixtures_dir):
     from comfy.patcher_extension import CallbacksMP
 
     from h3_turbo.kernels import dispatch
-    from h3_turbo.nodes.loader import WORKSPACE_CALLBACK, install_compute, load_h3_model
+    from h3_turbo.kernels.paths import base as paths_base
+    from h3_turbo.runtime.ops import WORKSPACE_CALLBACK, install_compute
+    from h3_turbo.runtime.loading import load_h3_model
 
     mp = load_h3_model(fixtures_dir["nvfp4"], "reference")
     assert mp.get_callbacks(CallbacksMP.ON_DETACH, WORKSPACE_CALLBACK) == []
@@ -308,20 +311,19 @@ def test_kernel_work_buffers_released_on_unload(comfy, fixtures_dir):
     assert len(mp.get_callbacks(CallbacksMP.ON_DETACH, WORKSPACE_CALLBACK)) == 1
     clone = mp.clone()                               # e.g. the Turbo LoRA node's patcher
     assert len(clone.get_callbacks(CallbacksMP.ON_DETACH, WORKSPACE_CALLBACK)) == 1
-    dispatch._scratch("cpu", torch.bfloat16, 1000)    # what a GPU call leaves behind
-    dispatch._TILE_BUFS[("cpu", torch.bfloat16, 8, 16)] = [torch.empty(8, 16, dtype=torch.bfloat16)] * 2
+    paths_base.scratch("cpu", torch.bfloat16, 1000)    # what a GPU call leaves behind
+    paths_base.WORK_BUFFERS.data[("tiles", "cpu", torch.bfloat16, 8, 16)] = [torch.empty(8, 16, dtype=torch.bfloat16)] * 2
     try:
         clone.detach()
-        assert dispatch._SCRATCH == {} and dispatch._TILE_BUFS == {}
+        assert paths_base.WORK_BUFFERS.data == {}
         assert dispatch.release_workspace() == 0
     finally:
-        dispatch._SCRATCH.clear()
-        dispatch._TILE_BUFS.clear()
+        paths_base.WORK_BUFFERS.clear()
     install_compute(mp, "reference")
 
 
 def test_kernel_extra_bytes_accounting(comfy):
-    from h3_turbo.nodes.loader import kernel_extra_bytes
+    from h3_turbo.runtime.loading import kernel_extra_bytes
 
     full = [(21504, 5376), (5376, 7168), (28672, 5376), (5376, 14336)] * 52   # real H3 projections
     nk = sum(n * k for n, k in full)
@@ -330,9 +332,9 @@ def test_kernel_extra_bytes_accounting(comfy):
     assert kernel_extra_bytes(full, "exact") == nk // 2 + nk // 16 + 4 * 208
     assert kernel_extra_bytes(full, "fp8") == nk + 4 * sum(n for n, _ in full)
     # the reused per-call buffers (kernels.dispatch._scratch / _TILE_BUFS): largest layer fc1 28672 x 5376
-    from h3_turbo.kernels.dispatch import TILE_ROWS
+    from h3_turbo.kernels.paths.exact import PATH as EXACT
     from h3_turbo.kernels.dispatch import workspace_bytes as kernel_workspace_bytes
-    assert TILE_ROWS == 3072
+    assert EXACT.settings.tile_rows == 3072
     assert kernel_workspace_bytes(full, "exact") == 28672 * 5376 * 2 + 2 * 3072 * (5376 + 7168 + 14336) * 2
     assert kernel_workspace_bytes(full, "fp8") == 28672 * 5376 + 4 * 28672
     assert kernel_workspace_bytes(full, "reference") == 0 and kernel_workspace_bytes([], "exact") == 0
@@ -347,7 +349,7 @@ def test_moving_a_layer_drops_its_prepared_weight(comfy, fixtures_dir):
     import gc
     import weakref
 
-    from h3_turbo.nodes.loader import load_h3_model
+    from h3_turbo.runtime.loading import load_h3_model
 
     mp = load_h3_model(fixtures_dir["nvfp4"], "reference")
     lin = mp.model.diffusion_model.blocks[0].mlp.fc1

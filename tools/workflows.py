@@ -9,8 +9,10 @@ Pieces:
 - :data:`SPECS`: for every node type used, its inputs in ComfyUI's ``input_order`` (name, type, kind) and
   outputs (name, type). Kinds: ``link`` (socket), ``widget`` (value in ``widgets_values``); suffixes
   ``?`` optional, ``+ctrl`` (the frontend adds a "control after generate" value after it), ``+upload``
-  (the frontend adds an upload-button value after it). Checked against the live ComfyUI node
-  definitions by ``tests/test_workflows.py`` (marked comfyui).
+  (the frontend adds an upload-button value after it). Core nodes come from :data:`CORE_SPECS` (checked
+  against the live ComfyUI node definitions by ``tests/test_workflows.py``); the pack's own nodes are
+  read from their schemas (``GET_NODE_INFO_V1``) on first use, which needs ComfyUI importable
+  (``$COMFYUI_PATH`` or ``~/ComfyUI``).
 - :class:`Node` / :class:`Workflow`: the graph description; :func:`to_ui` and :func:`to_api` render it.
 - :func:`ui_to_api`: the independent reverse conversion (reads only the UI JSON and a spec table) used by
   the tests to prove each UI file converts to the same graph as its API twin.
@@ -21,6 +23,7 @@ import argparse
 import json
 import sys
 import uuid
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -31,7 +34,7 @@ WIDGET_TYPES = ("INT", "FLOAT", "STRING", "BOOLEAN", "COMBO", "COMFY_DYNAMICCOMB
 
 # ---------------------------------------------------------------------------------------------- specs
 # {type: (inputs [(name, type, kind)], outputs [(name, type)], python package for the "cnr_id" property)}
-SPECS: dict[str, tuple[list[tuple[str, str, str]], list[tuple[str, str]], str]] = {
+CORE_SPECS: dict[str, tuple[list[tuple[str, str, str]], list[tuple[str, str]], str]] = {
     # core (ComfyUI 0.33, 2026-08): read from the live node definitions, see the comfyui test
     "UNETLoader": ([("unet_name", "COMBO", "widget"), ("weight_dtype", "COMBO", "widget")],
                    [("MODEL", "MODEL")], "comfy-core"),
@@ -66,23 +69,65 @@ SPECS: dict[str, tuple[list[tuple[str, str, str]], list[tuple[str, str]], str]] 
                              [("video_latent", "LATENT"), ("audio_latent", "LATENT")], "comfy-core"),
     "SaveLatent": ([("samples", "LATENT", "link"), ("filename_prefix", "STRING", "widget")],
                    [("samples", "LATENT")], "comfy-core"),
-    # this pack (node ids and inputs as agreed in the issue tracker; checked live when the node exists)
-    "H3TurboNVFP4Loader": ([("unet_name", "COMBO", "widget"), ("compute", "COMBO", "widget")],
-                           [("MODEL", "MODEL")], "h3-turbo"),
-    "H3TurboAttention": ([("model", "MODEL", "link"), ("backend", "COMBO", "widget")], [("MODEL", "MODEL")], "h3-turbo"),
-    "H3TurboLoRA": ([("model", "MODEL", "link"), ("turbo", "COMBO", "widget"), ("strength", "FLOAT", "widget")],
-                    [("MODEL", "MODEL")], "h3-turbo"),
-    "H3TurboSigmas": ([("model", "MODEL", "link"), ("steps", "INT", "widget")], [("SIGMAS", "SIGMAS")], "h3-turbo"),
-    "H3TurboSampler": ([("state_dtype", "COMBO", "widget")], [("SAMPLER", "SAMPLER")], "h3-turbo"),
-    "H3TurboTestConditioning": ([("model", "MODEL", "link"), ("seed", "INT", "widget"), ("tokens", "INT", "widget")],
-                                [("CONDITIONING", "CONDITIONING")], "h3-turbo"),
-    "H3TurboSaveLatentPreview": ([("av_latent", "LATENT", "link"), ("filename_prefix", "STRING", "widget")], [],
-                                 "h3-turbo"),
     # frontend-only
     "MarkdownNote": ([("text", "STRING", "widget")], [], ""),
 }
 
-PACK_NODE_TYPES = tuple(t for t, s in SPECS.items() if s[2] == "h3-turbo")
+
+
+def _import_comfy() -> None:
+    """Make ComfyUI's packages (comfy_api, folder_paths) importable, from $COMFYUI_PATH or ~/ComfyUI."""
+    try:
+        import comfy_api  # noqa: F401
+        return
+    except ImportError:
+        pass
+    from ..harness import find_comfyui
+
+    sys.path.insert(0, str(find_comfyui()))
+
+
+class _Specs(Mapping):
+    """:data:`CORE_SPECS` plus the pack's nodes, whose specs are read from their schemas on first use."""
+
+    def __init__(self):
+        self._pack: dict | None = None
+
+    def pack(self) -> dict:
+        if self._pack is None:
+            _import_comfy()
+            from ..nodes import all_nodes
+
+            specs = {}
+            for cls in all_nodes():
+                info = cls.GET_NODE_INFO_V1()
+                specs[info["name"]] = (*spec_from_node_info(info), "h3-turbo")
+            self._pack = specs
+        return self._pack
+
+    def __getitem__(self, key):
+        if key in CORE_SPECS:
+            return CORE_SPECS[key]
+        return self.pack()[key]
+
+    def __iter__(self):
+        yield from CORE_SPECS
+        yield from (k for k in self.pack() if k not in CORE_SPECS)
+
+    def __len__(self):
+        return len(set(CORE_SPECS) | set(self.pack()))
+
+    def __contains__(self, key):
+        return key in CORE_SPECS or key in self.pack()
+
+
+#: every node type the workflows may use: {type: (inputs, outputs, python package for "cnr_id")}
+SPECS = _Specs()
+
+
+def pack_node_types() -> tuple[str, ...]:
+    """Node ids of the pack (from its node classes; needs ComfyUI importable)."""
+    return tuple(SPECS.pack())
 
 
 def spec_from_node_info(info: dict) -> tuple[list[tuple[str, str, str]], list[tuple[str, str]]]:

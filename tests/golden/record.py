@@ -32,6 +32,12 @@ def kernels() -> dict:
     from h3_turbo.kernels import dispatch as dsp
     from h3_turbo.kernels import triton_nvfp4 as tk
     from h3_turbo.formats import nvfp4
+    try:
+        from h3_turbo.kernels.paths.exact import PATH as EXACT
+    except ImportError:  # before the registry existed
+        class EXACT:
+            tiled = staticmethod(dsp._exact_tiled)
+            full = staticmethod(dsp._exact_full)
 
     out = {}
     g = torch.Generator().manual_seed(0)
@@ -47,8 +53,8 @@ def kernels() -> dict:
     bc = (torch.randn(n, 8, generator=g) * 0.05).to(torch.bfloat16)
     h = torch.nn.functional.linear(x, a)
     out["exact.gemm_lora"] = _h(tk.gemm_exact(x, pe.qs, pe.scales, pe.gs, n, k, lora=(h, bc, 0.5, n // 3)))
-    out["exact.tiled_lora"] = _h(dsp._exact_tiled(x, pe, lora=(a, bc, 0.5, n // 3)))
-    out["exact.full"] = _h(dsp._exact_full(x, pe))
+    out["exact.tiled_lora"] = _h(EXACT.tiled(x, pe, lora=(a, bc, 0.5, n // 3)))
+    out["exact.full"] = _h(EXACT.full(x, pe))
     wbuf = torch.empty(n, k, dtype=torch.bfloat16)
     tk.fold_weight(q, bs, gs.float().reshape(1), n, k, wbuf, lora=(a, bc, 0.5, n // 3))
     out["exact.fold_lora"] = _h(wbuf)

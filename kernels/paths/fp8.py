@@ -1,0 +1,192 @@
+"""``fp8``: W8A8 on FP8 tensor cores (sm_89+: Ada, Hopper) with rowwise ``torch._scaled_mm``.
+
+At load the NVFP4 weight is re-expressed as e4m3 with one fp32 scale per output row (amax/448) from the
+exact fp32 dequant; activations are quantized per row on the fly (Triton). Approximate: ~4% relative from
+the exact GEMM (bounded by ``error_bound`` in the tests). Prepared memory: roundup(N,16)*K e4m3 bytes +
+fp32 row scales per layer. With a Turbo LoRA and a ``fold_key`` the same e4m3 slot holds W + s*B*A until
+another key (or the base) is needed (:class:`PreparedFP8` ``state``; re-derived from the packed storage,
+the base bit-identical to :meth:`FP8Path.prepare`'s). Measurements: docs/kernels.md.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .. import nvfp4_ref as ref
+from . import base
+from .base import ComputePath, LoRAOperands, PackedNVFP4
+
+
+@dataclass
+class FP8Settings:
+    #: fold the Turbo LoRA into the e4m3 weight (slot or per call); False: always the unfused branch
+    lora_fold: bool = True
+    #: without a fold key, the per-call fold (one pass over W) beats the unfused branch from this many rows
+    fold_min_m: int = 1024
+    #: rows re-expressed per chunk at load (a multiple of 128: the swizzled scales slice by 128 rows)
+    base_step: int = 4096
+
+
+@dataclass
+class PreparedFP8:
+    w8: torch.Tensor          # float8_e4m3fn [Npad16, K]
+    sw: torch.Tensor          # fp32 [1, Npad16]
+    out_features: int
+    in_features: int
+    packed: PackedNVFP4 | None = None   # the native storage (same tensors, no copy): LoRA fold
+    amax_w: torch.Tensor | None = None  # fp32 [N]: max |W[n, :]| of the exact NVFP4 weight
+    #: what w8/sw hold: None = the base weight; else the key of the Turbo LoRA folded into them
+    state: object = None
+    refolds: int = 0                    # times w8/sw were re-derived (adapter switch, Turbo on/off)
+
+
+_INVALID = object()
+
+
+class FP8Path(ComputePath):
+    name = "fp8"
+    approximate = True
+    error_bound = 5e-2
+
+    def __init__(self):
+        self.settings = FP8Settings()
+
+    def supports(self, device: torch.device) -> tuple[bool, str]:
+        device = torch.device(device)
+        if device.type != "cuda":
+            return False, f"needs a CUDA GPU, but the device is {device}"
+        cc = base.capability(device)
+        if cc < (8, 9):
+            return False, f"compute capability {cc[0]}.{cc[1]} has no FP8 tensor cores (needs 8.9+)"
+        if not base.has_triton():
+            return False, "Triton is not installed (activation quantization kernel)"
+        idx = device.index if device.index is not None else torch.cuda.current_device()
+        return base.probe_fp8(idx)
+
+    def prepare(self, packed: PackedNVFP4) -> PreparedFP8:
+        packed.check_finite_scales()
+        n, k = packed.out_features, packed.in_features
+        npad = ref.fmt.roundup(n, 16)
+        dev = packed.qdata.device
+        w8 = torch.zeros((npad, k), dtype=torch.float8_e4m3fn, device=dev)
+        sw = torch.ones((npad,), dtype=torch.float32, device=dev)
+        amax_w = torch.zeros((n,), dtype=torch.float32, device=dev)
+        base_into(packed, w8, sw, amax_w, step=self.settings.base_step)
+        return PreparedFP8(w8, sw.reshape(1, npad), n, k, packed, amax_w)
+
+    def reference_weight(self, p: PreparedFP8, dtype) -> torch.Tensor:
+        if p.state is not None:          # a Turbo fold occupies the slot: the base first
+            set_state(p, None, None)
+        n = p.out_features
+        return (p.w8[:n].float() * p.sw[0, :n, None]).to(dtype)
+
+    def linear(self, x2d, p: PreparedFP8):
+        if p.state is not None:
+            set_state(p, None, None)   # a Turbo LoRA was folded in by an earlier call: back to the base
+        return super().linear(x2d, p)
+
+    def kernel_linear(self, x2d: torch.Tensor, p: PreparedFP8) -> torch.Tensor:
+        return _scaled_mm(x2d, p.w8, p.sw, p.out_features)
+
+    def lora(self, x2d: torch.Tensor, p, lo: LoRAOperands):
+        from .. import triton_nvfp4 as tk
+        s = self.settings
+        if not (s.lora_fold and isinstance(p, PreparedFP8) and p.packed is not None and p.amax_w is not None):
+            return None
+        if tk.fold_bn(lo.nb) is None:
+            return None
+        lt = (lo.a, lo.bc, float(lo.scale), lo.nb, lo.amax_a)
+        if lo.fold_key is not None:
+            set_state(p, (lo.fold_key, float(lo.scale)), lt)
+            return _scaled_mm(x2d, p.w8, p.sw, p.out_features), "fp8_slot"
+        if x2d.shape[0] >= s.fold_min_m:
+            return fold_per_call(x2d, p, lt), "fp8_percall"
+        return None
+
+    def prepared_bytes(self, shapes: list[tuple[int, int]]) -> int:
+        r = ref.fmt.roundup
+        return sum(r(n, 16) * k + 4 * r(n, 16) for n, k in shapes)
+
+    def workspace_bytes(self, shapes: list[tuple[int, int]], act_bytes: int = 2) -> int:
+        """The largest layer's per-call LoRA fold buffer: e4m3 roundup(N,16)*K + fp32 row scales."""
+        if not shapes:
+            return 0
+        r = ref.fmt.roundup
+        return max(r(n, 16) * k for n, k in shapes) + 4 * max(r(n, 16) for n, _ in shapes)
+
+
+def _scaled_mm(x2d, w8, sw, n):
+    from .. import triton_nvfp4 as tk
+    x8, sx = tk.quant_rows_fp8(x2d)
+    out = torch._scaled_mm(x8, w8.t(), scale_a=sx, scale_b=sw, out_dtype=x2d.dtype, use_fast_accum=True)
+    return out[:, :n] if out.shape[1] != n else out
+
+
+def base_into(packed: PackedNVFP4, w8: torch.Tensor, sw: torch.Tensor, amax_w: torch.Tensor | None,
+              step: int = 4096, use_triton: bool | None = None) -> None:
+    """The fp8 base weight, written into w8 [>=N, K] e4m3 / sw [>=N] fp32 (and amax_w [N]): per chunk of
+    ``step`` rows (a multiple of 128, so the swizzled block scales slice by rows), the exact fp32 dequant
+    (Triton ``fold_weight`` on CUDA, ``nvfp4_ref.dequant_exact`` elsewhere: the same fp32 values) re-expressed
+    by ``nvfp4_ref.fp8_rowwise_from_weight``. :meth:`FP8Path.prepare` and the restore after a Turbo fold
+    (:func:`set_state`) both call this, so the restored base is the prepared one bit for bit."""
+    n, k = packed.out_features, packed.in_features
+    dev = packed.qdata.device
+    gs = packed.global_scale.detach().float().reshape(1).to(dev)
+    if use_triton is None:
+        use_triton = dev.type == "cuda" and base.has_triton()
+    if step % 128:
+        raise ValueError(f"_fp8_base_into: step {step} must be a multiple of 128 (swizzled scale tiles)")
+    for r0 in range(0, n, step):
+        r1 = min(n, r0 + step)
+        q = packed.qdata[r0:r1]
+        bs = packed.block_scale[r0:r0 + ref.fmt.roundup(r1 - r0, 128)]
+        if use_triton:
+            from .. import triton_nvfp4 as tk
+            wf = torch.empty((r1 - r0, k), device=dev, dtype=torch.float32)
+            tk.fold_weight(q, bs, gs, r1 - r0, k, wf)
+        else:
+            wf = ref.dequant_exact(q, bs, gs, r1 - r0, k, torch.float32)
+        w8[r0:r1], sw[r0:r1] = ref.fp8_rowwise_from_weight(wf)
+        if amax_w is not None:
+            amax_w[r0:r1] = wf.abs().amax(dim=1)
+
+
+def fold_per_call(x2d: torch.Tensor, p: PreparedFP8, lora: tuple) -> torch.Tensor:
+    """fp8 + LoRA: W' = W + scale * Bc @ A re-expressed per call as e4m3 with one scale per row (an upper
+    bound of max |W'| per row, ``fold_weight``), from the native NVFP4 storage (one rounding of W'); x quantized
+    per row; one rowwise ``torch._scaled_mm``. ``lora`` = (A, Bc, scale, nb, amax_a)."""
+    from .. import triton_nvfp4 as tk
+    pk = p.packed
+    n, k = p.out_features, p.in_features
+    npad = p.w8.shape[0]
+    w = base.scratch(x2d.device, torch.float8_e4m3fn, npad * k).view(npad, k)
+    so = base.scratch(x2d.device, torch.float32, npad)
+    tk.fold_weight(pk.qdata, pk.block_scale, pk.global_scale.float().reshape(1).to(x2d.device), n, k, w, lora=lora,
+                   amax_w=p.amax_w, scale_out=so)
+    return _scaled_mm(x2d, w, so.view(1, npad), n)
+
+
+def set_state(p: PreparedFP8, key, lora: tuple | None) -> None:
+    """Make ``p.w8``/``p.sw`` hold the base weight (key None) or W + scale * Bc @ A (``lora`` = the tuple of
+    :func:`triton_nvfp4.fold_weight`), re-derived in place from the packed NVFP4 storage when ``p.state``
+    differs. The base is re-derived by the function :meth:`FP8Path.prepare` used (:func:`base_into`)."""
+    if p.state == key:
+        return
+    pk = p.packed
+    n, k = p.out_features, p.in_features
+    p.state = _INVALID   # a failure below must not leave a half-written weight marked valid
+    # w8/sw were made by prepare(), usually under ComfyUI's inference_mode (inference tensors): update them in
+    # the same mode, so a caller outside inference_mode can still switch the slot
+    with torch.inference_mode(p.w8.is_inference()):
+        if key is None:
+            base_into(pk, p.w8, p.sw.view(-1), None, step=PATH.settings.base_step)
+        else:
+            from .. import triton_nvfp4 as tk
+            tk.fold_weight(pk.qdata, pk.block_scale, pk.global_scale.float().reshape(1).to(p.w8.device), n, k,
+                           p.w8, lora=lora, amax_w=p.amax_w, scale_out=p.sw.view(-1))
+    p.state = key
+    p.refolds += 1
+
+
+PATH = FP8Path()

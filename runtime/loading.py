@@ -1,0 +1,145 @@
+"""Validate, convert and build an H3 MODEL (a ComfyUI ModelPatcher) from a checkpoint file.
+
+Order of work (a failed load builds nothing and touches no loaded model):
+1. resolve ``compute`` (an impossible request fails first: :class:`h3_turbo.errors.NoCapablePathError`);
+2. read and validate the safetensors header, detect the format and the H3 sizes (``formats.detect``);
+3. stream the file into the ComfyUI-native layout in memory (``formats.convert.iter_native``): native
+   files pass through, foreign NVFP4 files are converted bit-preservingly, BF16/FP16/FP32 files get their
+   208 block projections quantized (ComfyUI progress bar);
+4. check the values (:func:`check_values`);
+5. build core's H3 with core's loader ``comfy.sd.load_diffusion_model_state_dict`` and the pack's
+   operations (:func:`h3_turbo.runtime.ops.make_operations`: core keeps H3's fp32 island in fp32 only
+   with them), then install the compute path and report the resident size to ComfyUI (packed weights +
+   the path's prepared copies + its reused work buffers).
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+
+from .. import state
+from ..adapters import contracts
+from ..errors import CheckpointError
+from ..formats import nvfp4
+from ..formats.convert import iter_native, make_plan, native_metadata
+from ..formats.detect import Detection, detect
+from ..formats.safetensors_io import read_header
+from ..kernels import dispatch, registry
+from ..logs import log, log_once
+from .ops import install_compute, make_operations
+
+
+def resolve_compute(requested: str, device: torch.device) -> tuple[str, str]:
+    """Compute path for ``requested`` on ``device``: ``(path, reason)`` (:func:`h3_turbo.kernels.registry.resolve`).
+    NoCapablePathError (a ValueError and a RuntimeError) for an unknown name or a path the device cannot run."""
+    try:
+        return registry.resolve(requested, device)
+    except Exception as e:
+        if requested in registry.choices():
+            raise type(e)(f"compute={requested}: {e}") from None
+        raise
+
+
+def kernel_extra_bytes(shapes: list[tuple[int, int]], path: str) -> int:
+    """GPU bytes the compute path's prepared copies add per model (shapes: logical [N, K] of every NVFP4 layer)."""
+    return dispatch.prepared_bytes(shapes, path)
+
+
+def check_values(path: str, sd: dict[str, torch.Tensor], det: Detection) -> None:
+    """Value checks on the native state dict before building: block scales finite (no e4m3 NaN byte)
+    and non-negative, global scales finite and > 0. Raises :class:`CheckpointError` naming the key."""
+    for stem in det.quant_layers:
+        bs = sd.get(f"{stem}.weight_scale")
+        if bs is not None:
+            nan, neg = nvfp4.bad_scale_counts(bs)
+            if nan:
+                raise CheckpointError(path, f"{nan} block scales are NaN", key=f"{stem}.weight_scale",
+                                      expected="finite e4m3 scales")
+            if neg:
+                raise CheckpointError(path, f"{neg} block scales are negative", key=f"{stem}.weight_scale",
+                                      expected="scales >= 0")
+        for s in ("weight_scale_2", "input_scale"):
+            v = sd.get(f"{stem}.{s}")
+            if v is not None:
+                x = float(v.float().reshape(-1)[0])
+                if not (x > 0 and x != float("inf")):
+                    raise CheckpointError(path, f"{s} is {x}", key=f"{stem}.{s}", expected="a finite number > 0")
+
+
+def load_h3_model(path: str, compute: str = "auto", disable_dynamic: bool = False, keep_fp32_island: bool = True):
+    """Validate, convert and build an H3 MODEL (a ComfyUI ModelPatcher) from ``path``.
+
+    Raises :class:`CheckpointError` (damaged / not H3 / bad values) or NoCapablePathError (impossible
+    ``compute``) before anything is built.
+    """
+    import comfy.model_management as mm
+    import comfy.sd
+    import comfy.utils
+
+    load_device = mm.get_torch_device()
+    cpath, reason = resolve_compute(compute, load_device)
+    log_once(("compute", compute, str(load_device), cpath),
+             "H3 Turbo loader: compute=%s -> %s on %s (%s)", compute, cpath, load_device, reason)
+
+    det = detect(read_header(path))
+    det.raise_if_errors()
+    for f in det.findings:
+        if f.level == "warning":
+            log.warning("%s: %s", path, f)
+    plan = make_plan(det)
+    work = len(plan.quantize) + len(plan.convert)
+    pbar = comfy.utils.ProgressBar(max(work, 1))
+    qdev = load_device if (plan.quantize and torch.device(load_device).type == "cuda") else "cpu"
+    if plan.quantize:
+        log.info("%s: %s checkpoint, quantizing %d layers to NVFP4 on %s", path, det.format, len(plan.quantize), qdev)
+    elif det.format != "comfy_native":   # MERGE: formats registry attribute
+        log.info("%s: converting %s (%d layers; nibbles %s [%s], scales %s [%s]) to the ComfyUI-native layout",
+                 path, det.format, len(plan.convert), plan.nibble_order, det.nibble_order_source,
+                 plan.scale_layout, det.scale_layout_source)
+    try:
+        sd = dict(iter_native(plan, progress=lambda d, t: pbar.update_absolute(d, t), device=qdev))
+    except ValueError as e:
+        raise CheckpointError(path, f"cannot quantize: {e}") from None
+    check_values(path, sd, det)
+    packed = sum(sd[f"{s}.{x}"].nbytes for s in set(plan.quantize) | set(plan.convert)
+                 for x in ("weight", "weight_scale", "weight_scale_2", "input_scale", "pre_quant_scale", "comfy_quant")
+                 if f"{s}.{x}" in sd)
+    model_options = {}
+    if keep_fp32_island:
+        model_options["custom_operations"] = make_operations(load_device)
+    kernels = cpath != "reference"
+    extra = work_b = 0
+    if kernels and not disable_dynamic:
+        # DynamicVRAM streams every weight per call (comfy_cast_weights), which the kernels cannot use:
+        # build with the classic ModelPatcher so the projections stay resident on the GPU.
+        log_once(("classic", cpath), "H3 Turbo loader: compute=%s uses ComfyUI's classic ModelPatcher "
+                 "(resident weights) instead of DynamicVRAM streaming", cpath)
+    mp = comfy.sd.load_diffusion_model_state_dict(sd, model_options=model_options, metadata=native_metadata(plan),
+                                                  disable_dynamic=disable_dynamic or kernels)
+    if mp is None:
+        raise CheckpointError(path, "ComfyUI could not detect the model type of the converted state dict")
+    mp.cached_patcher_init = (_reload, (path, compute, keep_fp32_island))
+    if kernels:
+        if not keep_fp32_island:
+            raise RuntimeError(f"compute={cpath} needs the H3 Turbo operations (keep_fp32_island=True)")
+        n = install_compute(mp, cpath)
+        shapes = [(q.n, q.k) for q in det.quant_layers.values()]
+        extra = dispatch.prepared_bytes(shapes, cpath)
+        work_b = dispatch.workspace_bytes(shapes, cpath)
+        # what ComfyUI reserves: packed weights + the kernels' prepared copies + their reused work buffers
+        mp.size = int(mp.model_size()) + extra + work_b
+        log_once(("installed", path, cpath), "H3 Turbo loader: %d NVFP4 projections use compute=%s "
+                 "(+%.2f GiB prepared weights, +%.2f GiB work buffers on the GPU)", n, cpath, extra / 2**30,
+                 work_b / 2**30)
+    contracts.attach(mp, None, compute=cpath, compute_reason=reason, source_format=det.format,
+                     checkpoint=os.path.basename(path), packed_bytes=packed)
+    state.record_loaded_model(path, format=det.format, compute=cpath, packed_bytes=packed,
+                              bytes=int(mp.model_size()), layers_nvfp4=work,
+                              kernel_extra_bytes=extra, kernel_workspace_bytes=work_b)
+    return mp
+
+
+def _reload(path, compute, keep_fp32_island=True, disable_dynamic=False):
+    """``cached_patcher_init`` factory (core calls it with ``disable_dynamic=True`` for delegates)."""
+    return load_h3_model(path, compute, disable_dynamic=disable_dynamic, keep_fp32_island=keep_fp32_island)

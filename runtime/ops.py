@@ -1,0 +1,169 @@
+"""The pack's operations inside core's H3: core's ``mixed_precision_ops`` with H3's fp32 island kept in fp32,
+and the NVFP4 block projections routed through :mod:`h3_turbo.kernels.dispatch` on a compute path.
+
+- :func:`make_operations`: the operations class for ``comfy.sd.load_diffusion_model_state_dict``
+  (``model_options["custom_operations"]``); its Linear implements :class:`.layer.FusedLoRALinear`;
+- :func:`install_compute`: switch a built model's 208 NVFP4 projections to a compute path; registers an
+  ``ON_DETACH`` callback that frees the kernels' work buffers on unload.
+
+A call the kernels cannot serve (no NVFP4 weight, a weight patch, low-VRAM offload, grad, device
+mismatch) runs core's own forward, logged once with the reason. ComfyUI is imported lazily.
+"""
+from __future__ import annotations
+
+import torch
+
+from ..logs import log, log_once
+from ..model_facts import PROJECTIONS
+
+WORKSPACE_CALLBACK = "h3turbo_workspace"
+
+
+def make_operations(load_device, compute_dtype: torch.dtype | None = None):
+    """Core's ``mixed_precision_ops`` for H3, except that Linears built with ``dtype=torch.float32``
+    (H3's fp32 island: patch projections, time embedder, final video/audio outputs) keep fp32 weights.
+
+    compute_dtype: default = what core picks for a quantized model on ``load_device``
+    (``unet_manual_cast(None, load_device, MiniMaxH3.supported_inference_dtypes)``); the disabled
+    formats are decided as in ``comfy.ops.pick_operations``.
+    """
+    import comfy.model_management as mm
+    import comfy.ops
+
+    if compute_dtype is None:
+        import comfy.supported_models
+
+        compute_dtype = mm.unet_manual_cast(None, load_device, comfy.supported_models.MiniMaxH3.supported_inference_dtypes)
+
+    class _Cfg:
+        quant_config = {"mixed_ops": True}
+
+    base = comfy.ops.pick_operations(None, compute_dtype, load_device=load_device, model_config=_Cfg())
+    base_linear = base.Linear
+
+    class H3TurboOps(base):
+        class Linear(base_linear):
+            def __init__(self, in_features, out_features, bias=True, device=None, dtype=None):
+                super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
+                self._h3_path = None      # set by install_compute on the NVFP4 block projections
+                self._h3_cache = None
+                if dtype == torch.float32 and self.factory_kwargs["dtype"] not in (None, torch.float32):
+                    self.factory_kwargs = {"device": device, "dtype": torch.float32}
+                    if bias:
+                        self.bias = torch.nn.Parameter(torch.empty(out_features, device=device, dtype=torch.float32))
+
+            def forward(self, input, *args, **kwargs):
+                path = self._h3_path
+                if path is None or path == "reference":
+                    return super().forward(input, *args, **kwargs)
+                why = kernel_blocker(self, input)
+                if why is not None:
+                    log_once(("fallback", path, why), "H3 Turbo compute=%s: %s; this call uses core's path "
+                             "(dequantize + matmul)", path, why)
+                    return super().forward(input, *args, **kwargs)
+                comfy.ops.run_every_op()
+                return kernel_forward(self, input, path)
+
+            def _apply(self, fn, recurse=True):
+                # core hands the layer new weight tensors when ComfyUI moves/offloads it: drop the prepared copy
+                # (and its references to the old storage) so they are freed with the old weights
+                self._h3_cache = None
+                return super()._apply(fn, recurse)
+
+            def h3turbo_fusable(self, input) -> bool:
+                """See :class:`h3_turbo.runtime.layer.FusedLoRALinear`."""
+                if self._h3_path not in ("exact", "fp8") or input.dtype not in (torch.bfloat16, torch.float16) \
+                        or input.device.type != "cuda":
+                    return False
+                if kernel_blocker(self, input) is not None:
+                    return False
+                if getattr(self, "pre_quant_scale", None) is not None:
+                    log_once(("lora_pqs", self._h3_path), "H3 Turbo compute=%s: layers with pre_quant_scale run the "
+                             "Turbo branch unfused (it must see the unsmoothed input)", self._h3_path)
+                    return False
+                return True
+
+            def h3turbo_lora_forward(self, input, A, Bc, coef, blocks, amax_a, key=None):
+                """See :class:`h3_turbo.runtime.layer.FusedLoRALinear` (``kernels.dispatch.linear_with_lora``)."""
+                comfy.ops.run_every_op()
+                return kernel_forward(self, input, self._h3_path, lora=(A, Bc, coef, blocks, amax_a, key))
+
+    H3TurboOps.__name__ = "H3TurboOps"
+    return H3TurboOps
+
+
+def kernel_blocker(m, x) -> str | None:
+    """Why a layer cannot use the h3_turbo kernels for this call (None = it can)."""
+    from comfy.quant_ops import QuantizedTensor
+
+    w = m.weight
+    if not isinstance(w, QuantizedTensor) or getattr(m, "quant_format", None) != "nvfp4":
+        return "the weight is not an NVFP4 QuantizedTensor"
+    if len(m.weight_function) or len(m.bias_function):
+        return "a weight patch (merged LoRA/hook) is active on the layer"
+    if getattr(m, "comfy_force_cast_weights", False) or getattr(m, "comfy_cast_weights", False):
+        return "the layer is offloaded (weights cast per call by ComfyUI's low-VRAM mode)"
+    if x.requires_grad:
+        return "the input requires grad"
+    if w.device != x.device:
+        return f"weight on {w.device}, input on {x.device}"
+    return None
+
+
+def kernel_forward(m, x, path, lora=None):
+    """y = dispatch.linear(x * pre_quant_scale, prepared(weight), path) + bias; ``prepared`` is cached
+    per weight object (core's weight patching replaces the Parameter, which re-prepares). ``lora``:
+    (A, Bc, coef, blocks, amax_a, key) -> ``dispatch.linear_with_lora`` (only without pre_quant_scale)."""
+    from ..kernels import dispatch
+
+    w = m.weight
+    key = (id(w), w._qdata.data_ptr(), str(w._qdata.device), path)
+    if m._h3_cache is None or m._h3_cache[0] != key:
+        p = w._params
+        packed = dispatch.PackedNVFP4(w._qdata, p.block_scale, p.scale, m.out_features, m.in_features)
+        m._h3_cache = (key, dispatch.prepare(packed, path))
+    pqs = getattr(m, "pre_quant_scale", None)
+    if pqs is not None:
+        x = x * pqs.to(device=x.device, dtype=x.dtype)
+    bias = m.bias
+    if bias is not None:
+        bias = bias.to(device=x.device, dtype=x.dtype)
+    if lora is not None:
+        a, bc, coef, blocks, amax_a, key = lora
+        return dispatch.linear_with_lora(x, m._h3_cache[1], path, a, bc, coef, blocks, bias=bias, amax_a=amax_a,
+                                         fold_key=key)
+    return dispatch.linear(x, m._h3_cache[1], path, bias)
+
+
+def _release_workspace_on_detach(patcher, unpatch_all=True) -> None:
+    """ComfyUI ``ON_DETACH`` callback: free the kernels' reused per-call buffers when a model that uses them is
+    unloaded (they are part of the size the loader reports, so ComfyUI expects them freed)."""
+    from ..kernels import dispatch
+
+    freed = dispatch.release_workspace()
+    if freed:
+        log.info("H3 Turbo: model unloaded, released %.0f MiB of kernel work buffers", freed / 2**20)
+
+
+def install_compute(model_patcher, path: str) -> int:
+    """Route the NVFP4 block projections of ``model_patcher``'s H3 through ``kernels.dispatch`` with
+    ``path`` ("exact", "fp8", "blackwell_fp4"; "reference" restores core's forward). Returns the number
+    of layers switched; RuntimeError if the model was not built with :func:`make_operations`. For a kernel
+    path the patcher also gets an ``ON_DETACH`` callback that frees the kernels' work buffers on unload."""
+    dm = model_patcher.model.diffusion_model
+    n = 0
+    for name, mod in dm.named_modules():
+        if not name.endswith(PROJECTIONS) or not ("blocks." in name):
+            continue
+        if not hasattr(mod, "_h3_path"):
+            raise RuntimeError(f"{name}: not built with the H3 Turbo operations; cannot install compute={path}")
+        if getattr(mod, "quant_format", None) == "nvfp4":
+            mod._h3_path = None if path == "reference" else path
+            mod._h3_cache = None
+            n += 1
+    if path != "reference":
+        from comfy.patcher_extension import CallbacksMP
+
+        model_patcher.remove_callbacks_with_key(CallbacksMP.ON_DETACH, WORKSPACE_CALLBACK)   # once per patcher
+        model_patcher.add_callback_with_key(CallbacksMP.ON_DETACH, WORKSPACE_CALLBACK, _release_workspace_on_detach)
+    return n

@@ -2,7 +2,7 @@
 
 For every target projection P (208 on the full H3):
 
-    y = P(x) + strength * (alpha / rank) * B @ (A @ x)        (research/lightx2v-h3.md §1.1, §3)
+    y = P(x) + strength * (alpha / rank) * B @ (A @ x)        (docs/h3-facts.md#turbo-lora-layout, #lora-on-quantized-layers)
 
 ``x`` is the activation ENTERING the layer: the branch wraps ``P.forward`` from outside (an instance
 attribute, as core's ``comfy/weight_adapter/bypass.py`` does), so smoothing applied inside the layer's
@@ -24,7 +24,7 @@ before us, the layer accepts the call (``h3turbo_fusable``: GPU kernel path, no 
 (or if the layer still answers None) the unfused route below runs. Either route counts the target for the
 coverage checks.
 
-INT8 tensor-wise ``fc2`` (hazard H1, ecosystem.md §5): core's ``comfy.ops.linear_input_act`` computes
+INT8 tensor-wise ``fc2`` (docs/h3-facts.md#lora-on-quantized-layers): core's ``comfy.ops.linear_input_act`` computes
 ``fc2(swiglu(fc1(x)))`` with comfy-kitchen's fused kernel and never calls ``fc2.forward``. For such
 blocks the fc2 branch is applied at the MLP level instead: the MLP's forward is wrapped, the fc1
 output (with its own branch) is captured by the fc1 wrapper, and the branch adds

@@ -1,8 +1,8 @@
 """Turbo contracts: what each distilled adapter / DMD model requires of the sampler.
 
 A contract travels with the MODEL in ``model_options["h3_turbo"]["contract"]`` (see :func:`attach`,
-:func:`get`) so the sampler can enforce it at sampling time. Sources: H3_FACTS §4-§6,
-``shared/seeds/TURBO.md`` (SHA-256 of the two files the user runs).
+:func:`get`) so the sampler can enforce it at sampling time. Sources: docs/h3-facts.md#turbo-lora-files
+(NFE, shifts, alpha/rank, SHA-256), #sigma-schedules, #turboh3-dmd-schedule.
 """
 from __future__ import annotations
 
@@ -65,20 +65,20 @@ def _c(variant, nfe, sv, sa, aor, name, sha=None):
     return KnownArtifact(name + ".safetensors", sha, TurboContract(variant, nfe, sv, sa, aor, name, sha))
 
 
-# H3_FACTS §4 (alpha per file, shifts, NFE) and seeds/TURBO.md (SHA-256).
+# docs/h3-facts.md#turbo-lora-files (alpha per file, shifts, NFE, SHA-256).
 KNOWN_ARTIFACTS: tuple[KnownArtifact, ...] = (
     _c("4step", 4, 6.0, 3.0, 1.0, "minimax_h3_fl2v_turbo_4step_v1.1_768p_comfyui_bf16",
        "449d80f301ac571622c72e28b8fd72a4b3681b7a8df8a92f17c8f6ec43f56558"),
     _c("8step", 8, 12.0, 3.0, 1 / 16, "minimax_h3_fl2v_turbo_8step_v1.0_comfyui_bf16",
        "2339acdf19bfe123f46b971ea35d367a84adb85de43627e1eceafa5a5b2b111e"),
     _c("4step", 4, 6.0, 3.0, 1.0, "minimax_h3_fl2v_turbo_4step_v1.0_768p_comfyui_bf16"),
-    # Names below are official (H3_FACTS §4 / lightx2v-h3.md); alpha/rank 1/16 is inferred from their
+    # Names below are official (docs/h3-facts.md#turbo-lora-files); alpha/rank 1/16 is inferred from their
     # Diffusers twins declaring alpha 8: the loader checks the file's own alpha tensors.
     _c("8step", 8, 12.0, 3.0, 1 / 16, "minimax_h3_fl2v_turbo_8step_v1.0_768p_comfyui_bf16"),
     _c("4step", 4, 6.0, 3.0, 1 / 16, "minimax_h3_fl2v_turbo_4step_v1.2_768p_comfyui_bf16"),
 )
 
-# TurboH3-FL2VA-I2VA DMD: 5 sigma points = 4 updates, shifts 12/3 (H3_FACTS §6).
+# TurboH3-FL2VA-I2VA DMD: 5 sigma points = 4 updates, shifts 12/3 (docs/h3-facts.md#turboh3-dmd-schedule).
 TURBOH3_DMD = TurboContract("turboh3-dmd", 4, 12.0, 3.0, None, "TurboH3-FL2VA-I2VA", None, "known-artifact")
 
 

@@ -3,7 +3,7 @@
 No ComfyUI import here: everything works on plain torch tensors and safetensors files, so it is
 testable and usable before any model is touched.
 
-Canonical form (H3_FACTS §4, research/lightx2v-h3.md §1.1), one entry per target
+Canonical form (docs/h3-facts.md#turbo-lora-layout), one entry per target
 ``<block>.<proj>`` with block in ``blocks.N`` / ``token_refiner.blocks.N`` and proj in
 ``attn.qkv_proj``, ``attn.out_proj``, ``mlp.fc1``, ``mlp.fc2``:
 
@@ -42,7 +42,7 @@ from . import contracts
 
 log = logging.getLogger("h3_turbo")
 
-DIFFUSERS_DEFAULT_ALPHA = 8.0  # reference trainer default when __metadata__["alpha"] is absent (lightx2v-h3.md §1.2)
+DIFFUSERS_DEFAULT_ALPHA = 8.0  # reference trainer default when __metadata__["alpha"] is absent (docs/h3-facts.md#other-lora-layouts)
 _SHOW = 5  # keys shown per error list
 
 # Keys of other H3 modules: an adapter touching them was made for another base layout.
@@ -567,7 +567,7 @@ def alias_table(files: dict[str, str]) -> dict[str, str]:
     """{alias: file name} for the Turbo LoRAs among ``files`` ({name in the loras folder: full path}).
 
     Official artifacts recognized by file name win, in ``contracts.KNOWN_ARTIFACTS`` order (so the
-    4-step v1.1 and 8-step v1.0 files of seeds/TURBO.md come first); files whose header carries the
+    4-step v1.1 and 8-step v1.0 files with known SHA-256 come first, docs/h3-facts.md#turbo-lora-files); files whose header carries the
     ``h3_turbo_fixture`` contract (our tiny fixtures) get their "<nfe>step" alias only when no official
     file claims it (first by sorted name). Execution still hashes and checks the chosen file.
     """

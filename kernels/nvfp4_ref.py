@@ -1,6 +1,6 @@
 """Reference (pure torch) NVFP4 math used by the compute paths and their tests.
 
-Storage format (H3_FACTS §3, comfy-kitchen 0.2.31 ``TensorCoreNVFP4Layout``): ``qdata`` uint8
+Storage format (docs/h3-facts.md#nvfp4-storage-layout, comfy-kitchen 0.2.31 ``TensorCoreNVFP4Layout``): ``qdata`` uint8
 [Np, Kp/2] with element 2j in the HIGH nibble, block scales float8_e4m3fn in the cuBLAS "to_blocked"
 layout [roundup(Np,128), roundup(Kp/16,4)], fp32 global scale ``weight_scale_2``. The layout helpers
 (``unpack_nibbles``, ``from_blocked``) come from :mod:`h3_turbo.formats.nvfp4`.

@@ -415,7 +415,7 @@ def fold_weight(qdata: torch.Tensor, block_scale: torch.Tensor, gs: torch.Tensor
     passes over the activations and the output).
 
     qdata uint8 [Np, Kp/2] (element 2j in the high nibble), block_scale e4m3/uint8 in the cuBLAS to_blocked
-    layout [roundup(Np,128), roundup(Kp/16,4)], gs fp32 [1] (``weight_scale_2``): H3_FACTS §3.
+    layout [roundup(Np,128), roundup(Kp/16,4)], gs fp32 [1] (``weight_scale_2``): docs/h3-facts.md#nvfp4-storage-layout.
     lora: (A [blocks*r, K] bf16, Bc [n, r] bf16, scale float, NB rows per block, amax_a fp32 [blocks*r] or
     None): W'[i] = W[i] + scale * Bc[i] @ A[i // NB] in fp32 (tensor-core product, fp32 accumulation).
     out: [>=n, k] bf16/fp16: W' rounded once (without lora bit-identical to :func:`nvfp4_ref.dequant_exact`);

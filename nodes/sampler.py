@@ -18,7 +18,7 @@ log = logging.getLogger("h3_turbo")
 
 def turbo_sigmas(model, steps: int):
     """SIGMAS for H3 Turbo Sigmas: fp32 [N+1], ``shift_v*b/(1+(shift_v-1)*b)``, b = linspace(1, 0, N+1),
-    last exactly 0 (H3_FACTS §5).
+    last exactly 0 (docs/h3-facts.md#sigma-schedules).
 
     With a Turbo contract on ``model.model_options`` (attached by the Turbo LoRA node): N = the contract's
     NFE (steps 0 or equal to it) and shift_v = the contract's video shift; any other steps is a ValueError

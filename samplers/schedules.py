@@ -1,6 +1,6 @@
 """Uniform shifted sigma grids ("uniform shifted training-Euler", LightX2V ``_make_schedule``).
 
-Source: H3_FACTS §5 (verified in LightX2V ``lightx2v/models/schedulers/minimax_h3/scheduler.py``).
+Source: docs/h3-facts.md#sigma-schedules (LightX2V ``lightx2v/models/schedulers/minimax_h3/scheduler.py``).
 """
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ def shifted_grid(nfe: int, shift: float, dtype: torch.dtype = torch.float64) -> 
 
 
 def audio_sigma_from_video(sigma_v: torch.Tensor, shift_v: float, shift_a: float) -> torch.Tensor:
-    """Core's closed form (``comfy/ldm/minimax/model.py: time_shift_sigma``, H3_FACTS §2):
+    """Core's closed form (``comfy/ldm/minimax/model.py: time_shift_sigma``, docs/h3-facts.md#audio-sigma-in-core):
     ``b = s_v/(shift_v + s_v*(1-shift_v))``, ``s_a = shift_a*b/(1+(shift_a-1)*b)``."""
     b = sigma_v / (shift_v + sigma_v * (1.0 - shift_v))
     return shift_a * b / (1.0 + (shift_a - 1.0) * b)
@@ -34,7 +34,7 @@ def audio_sigma_from_video(sigma_v: torch.Tensor, shift_v: float, shift_a: float
 def audio_shift_for(sigma_v: float, sigma_a: float, shift_v: float) -> float:
     """The per-call audio shift that makes core's closed form map ``sigma_v`` to ``sigma_a``:
     ``s_a = sigma_a*(1-b)/(b*(1-sigma_a))`` with ``b = sigma_v/(shift_v + sigma_v*(1-shift_v))``
-    (comfyui-h3.md §6.4 B). Defined for 0 < sigma_v, sigma_a < 1; raises ValueError otherwise."""
+    (docs/h3-facts.md#audio-sigma-in-core). Defined for 0 < sigma_v, sigma_a < 1; raises ValueError otherwise."""
     if not (0.0 < sigma_v < 1.0 and 0.0 < sigma_a < 1.0):
         raise ValueError(f"audio_shift_for needs 0 < sigma < 1, got sigma_v={sigma_v}, sigma_a={sigma_a}")
     b = sigma_v / (shift_v + sigma_v * (1.0 - shift_v))
@@ -64,5 +64,5 @@ def audio_grid_from_video(sigmas_v, shift_v: float, shift_a: float) -> list[floa
 
 def turbo_grids(nfe: int, shift_video: float, shift_audio: float) -> tuple[torch.Tensor, torch.Tensor]:
     """(video, audio) float64 grids of one Turbo contract: ``shifted_grid(nfe, shift_video)`` and
-    ``shifted_grid(nfe, shift_audio)``, each of shape [nfe+1] (H3_FACTS §5, §6)."""
+    ``shifted_grid(nfe, shift_audio)``, each of shape [nfe+1] (docs/h3-facts.md#sigma-schedules, #turboh3-dmd-schedule)."""
     return shifted_grid(nfe, shift_video), shifted_grid(nfe, shift_audio)

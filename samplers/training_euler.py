@@ -1,6 +1,6 @@
 """Shifted training-Euler AV sampler: independent video and audio states, one model call per step.
 
-Mathematics (H3_FACTS §5, LightX2V ``h3_step_update="training_euler"``, lightx2v-h3.md §2.2-2.3):
+Mathematics (docs/h3-facts.md#training-euler-update; LightX2V ``h3_step_update="training_euler"``):
 per stream, in float32, deterministic, no re-noise::
 
     x_next = x + (sigma_i - sigma_next) * v_dataward,    v_dataward = x0 - noise = -(ComfyUI velocity)
@@ -8,10 +8,10 @@ per stream, in float32, deterministic, no re-noise::
 The video runs on the SIGMAS the sampler is given; the audio runs on its own grid (the Turbo contract's
 audio shift, or the model_sampling audio shift without a contract). The network is evaluated once per
 step at (sigma_v, sigma_a) exactly: core's DiT derives the audio sigma from the video sigma with the
-per-call shifts in ``transformer_options`` (comfyui-h3.md §2.4), so the sampler sets
+per-call shifts in ``transformer_options`` (docs/h3-facts.md#audio-sigma-in-core), so the sampler sets
 ``minimax_h3_sigma_shift_audio = audio_shift_for(sigma_v, sigma_a, shift_v)`` on a per-call copy of the
 model options, and hands the model the audio in core's carried form ``y = x_a * sigma_v / sigma_a`` so
-core's ``forward`` un-carries it back to ``x_a`` (comfyui-h3.md §6.4 option B). The velocity of each
+core's ``forward`` un-carries it back to ``x_a`` (docs/h3-facts.md#audio-sigma-in-core). The velocity of each
 stream is read by a per-call ``WrappersMP.DIFFUSION_MODEL`` wrapper that captures ``_forward``'s output
 ``[-video_out, -audio_out]`` (the streams' own velocities, before core's carried conversion).
 
@@ -19,7 +19,7 @@ Without a Turbo contract the sampler also accepts CFG > 1 and denoiser caches: w
 run exactly once in a step, it reads the (combined) velocities from core's denoised by inverting the
 carried conversion (:func:`velocities_from_denoised`). With a contract these are errors.
 
-Entry and exit (comfyui-h3.md §6.4): the packed input is carried (audio x k on the way in, where
+Entry and exit (docs/h3-facts.md#audio-sigma-in-core): the packed input is carried (audio x k on the way in, where
 ``k = BaseModel.audio_scale()``); the result handed back is carried too: ``y = x_a * sigma_v/sigma_a``,
 and at sigma = 0 ``y = k * x_a`` (``process_latent_out`` divides the audio by k).
 
@@ -60,7 +60,7 @@ def euler_update(x: torch.Tensor, sigma: float, sigma_next: float, v_dataward: t
     """One training-Euler step ``x + (sigma - sigma_next) * v_dataward`` (same dtype as ``x``).
 
     v_dataward: the data-ward velocity x0 - noise (ComfyUI models return noise - x0: pass its negative).
-    Source: LightX2V ``run_back_simulation`` / H3_FACTS §5.
+    Source: LightX2V ``run_back_simulation`` (docs/h3-facts.md#training-euler-update).
     """
     return x + (float(sigma) - float(sigma_next)) * v_dataward.to(x.dtype)
 
@@ -92,7 +92,7 @@ def euler_av_loop(velocity: Callable[[int, torch.Tensor, torch.Tensor], tuple[to
 
 
 def carry_factor(sigma_v: float, sigma_a: float, audio_scale: float) -> float:
-    """The factor c with ``y = c * x_a``: core's carried audio at (sigma_v, sigma_a) (comfyui-h3.md §2.4).
+    """The factor c with ``y = c * x_a``: core's carried audio at (sigma_v, sigma_a) (docs/h3-facts.md#audio-sigma-in-core).
 
     sigma_v / sigma_a for sigma > 0; ``audio_scale`` (k) at sigma_v = sigma_a = 0; 1 when k == 1 (core
     does not carry then).
@@ -157,7 +157,7 @@ _WRAPPER_TYPES_CHECKED = ("diffusion_model", "apply_model", "predict_noise")
 
 def find_caches(model_options: dict) -> list[str]:
     """Names of denoiser caches found in ``model_options`` (core's EasyCache / LazyCache: holder at
-    ``transformer_options["easycache"]``, wrappers keyed ``easycache`` / ``lazycache``, comfyui-h3.md §8)."""
+    ``transformer_options["easycache"]``, wrappers keyed ``easycache`` / ``lazycache``, docs/h3-facts.md#denoiser-caches-in-core)."""
     to = (model_options or {}).get("transformer_options") or {}
     found: list[str] = []
     holder = to.get("easycache")
@@ -292,7 +292,7 @@ def velocities_from_denoised(pack: torch.Tensor, denoised: torch.Tensor, shapes,
     """Per-stream velocities (ComfyUI sign, fp32) from a packed carried model input and core's packed
     denoised, by inverting ``BaseModel.calculate_denoised`` (``den = y - sigma_v*out``) and core's carried
     audio conversion ``out_y = (1-k)*x_a + (1+(k-1)*sigma_a)*v_a`` with ``x_a = y*sigma_a/sigma_v``
-    (comfyui-h3.md §2.4). Valid for any affine combination of forwards (CFG). sigma_v > 0 required.
+    (docs/h3-facts.md#audio-sigma-in-core). Valid for any affine combination of forwards (CFG). sigma_v > 0 required.
     """
     import comfy.utils
 

@@ -391,3 +391,24 @@ def test_fp8_slot_switches_outside_inference_mode_for_a_weight_prepared_inside(t
         fp8_path.set_state(p8, ("k", 1.0), (A, Bc, 1.0, n // 3, None))
         dsp.linear(torch.randn(3, k).to(torch.bfloat16), p8, "fp8")
     assert p8.state is None and torch.equal(p8.w8.view(torch.uint8), w8_0.view(torch.uint8))
+
+
+# ------------------------------------------------------------------------------------ every registered path
+
+@pytest.mark.parametrize("name", [n for n, p in __import__("h3_turbo.kernels.registry", fromlist=["PATHS"]).PATHS.items()
+                                  if p.kernel])
+@pytest.mark.parametrize("m", [5, 300])
+def test_registered_path_kernel_within_bound(tk, name, m):
+    """Each kernel path of the registry, run by its own kernel_linear on CPU tensors under the interpreter, is
+    within its declared error_bound of the float64 product with the exact NVFP4 weight (ragged K = 176)."""
+    from h3_turbo.kernels import registry
+
+    path = registry.get(name)
+    n, k = 96, 176
+    p = make_packed(n, k, seed=11)
+    prepared = dsp.prepare(p, name)
+    x = torch.randn(m, k).to(torch.bfloat16)
+    got = path.kernel_linear(x, prepared)
+    want = x.double() @ ref.dequant_fp64(p.qdata, p.block_scale, p.global_scale, n, k).t()
+    assert got.shape == (m, n) and torch.isfinite(got).all()
+    assert rel(got, want) < path.error_bound

@@ -159,6 +159,18 @@ _STORES: dict[str, Store] = {}
 #: keys already logged by :func:`h3_turbo.logs.log_once`
 LOGGED = KeySet("logged")
 
+# Attention backends (``kernels/attention/``): cleared, each is rebuilt on next use (the exact chooser measures
+# its SDPA candidates again; models already patched keep the override object they were given).
+#: the exact backend's :class:`~h3_turbo.kernels.attention.exact.BackendChooser` (one measurement cache)
+ATTENTION_CHOOSER = Slot("attention_chooser", describe=lambda d: {
+    "measured": len(d["value"].choices) if d.get("value") is not None else 0})
+#: the process-wide ``exact`` override (:func:`~h3_turbo.kernels.attention.exact.exact_override`)
+ATTENTION_EXACT = Slot("attention_exact")
+#: the process-wide ``int8_sage`` override (:func:`~h3_turbo.kernels.attention.int8_sage.int8_override`)
+ATTENTION_INT8 = Slot("attention_int8_sage")
+#: (device, BLOCK_N) -> the [16, BLOCK_N] e4m3 ones tile of the 8-bit kernel's tensor-core row sum
+ATTENTION_FP8_ONES = Store("attention_fp8_ones")
+
 
 def store(name: str) -> Store:
     """The store registered as ``name`` (KeyError naming the known ones otherwise)."""

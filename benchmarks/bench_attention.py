@@ -4,7 +4,7 @@ Part A, per S in $SIZES (default 19584,37632,109000): 56 heads x 128, bf16, q/k 
 (times a per-channel gain, as H3's q_norm/k_norm weights), laid out as core builds them (strided
 [1, 56, S, 128] views of one [S, 3*7168] qkv buffer; v cloned). Columns:
   core       core's ``optimized_attention`` as H3 calls it (``attention_pytorch``: FA2 flash first)
-  exact      the same call with our override (``kernels/attention.py: ExactAttention``) in transformer_options
+  exact      the same call with our override (``kernels/attention/exact.py: ExactAttention``) in transformer_options
   flash / cudnn / efficient   one SDPA backend alone
   ck_int8    comfy-kitchen INT8 attention (core's ``attention_comfy_kitchen_int8``), if available
   sage       PyPI sageattention, if importable
@@ -16,8 +16,8 @@ rejections; FINITE=1 checks each SDPA backend's whole output at the largest S ag
 NaN-poisoned memory; SENS=1 runs the 960x544x124 forward with core, exact, each SDPA backend and
 float32 attention, and reports each output's distance to the float32-attention one.
 
-Part B (FORWARD=1, default): core ComfyUI's own H3 DiT at full shape with random weights (as
-shared/bench/anchor_core_forward.py), BF16, one denoiser forward at 960x544x124 (and 1344x768x124 with
+Part B (FORWARD=1, default): core ComfyUI's own H3 DiT at full shape with random weights
+(:func:`random_h3`), BF16, one denoiser forward at 960x544x124 (and 1344x768x124 with
 BIG=1): transformer_options {} (core) vs {"optimized_attention_override": ExactAttention()} (exact) vs
 {"optimized_attention_override": Int8SageAttention(fallback=<its own ExactAttention>)} (int8_sage, the
 tuned config; on the CPU every call falls back to exact).
@@ -49,8 +49,9 @@ import _common  # noqa: E402  (benchmarks/_common.py)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 _common.import_package()
-from h3_turbo.kernels import attention as A  # noqa: E402
-from h3_turbo.kernels import attention_int8 as Q8  # noqa: E402
+from h3_turbo.kernels.attention import exact as A  # noqa: E402
+from h3_turbo.kernels.attention import int8_sage as Q8  # noqa: E402
+from h3_turbo.kernels.attention import reference as REF  # noqa: E402
 
 dev = "cpu" if DRY else "cuda"
 OUT = os.environ.get("OUT", ".")
@@ -109,7 +110,7 @@ def part_a():
         torch.manual_seed(S)
         buf, (q, k, v) = h3_qkv(S)
         rows = torch.randperm(S, device=dev)[: min(512, S)].sort().values
-        ref = A.reference_attention(q, k, v, rows=rows, heads=heads_idx, dtype=torch.float32)  # [h, r, D]
+        ref = REF.reference_attention(q, k, v, rows=rows, heads=heads_idx, dtype=torch.float32)  # [h, r, D]
         flops = 4.0 * S * S * HEADS * D
         reps = 3 if S > 60000 else 10
         ex = A.ExactAttention(chooser=A.BackendChooser(A.cuda_event_timer(2) if not DRY else (lambda fn: (fn(), 1.0)[1])),
@@ -138,7 +139,7 @@ def part_a():
                 t = bench(fn, reps)
                 o = fn()
                 o = o.view(1, S, HEADS, D).transpose(1, 2) if o.dim() == 3 else o      # -> [1, H, S, D]
-                acc = A.accuracy(o[0, heads_idx][:, rows].float(), ref)
+                acc = REF.accuracy(o[0, heads_idx][:, rows].float(), ref)
                 r[name] = {"ms": 1e3 * t, "tflops": flops / t / 1e12, **acc}
                 del o
             except Exception as e:
@@ -158,8 +159,8 @@ def part_a():
 
 # ------------------------------------------------------------------ Part B: whole H3 forward
 def random_h3():
-    """Core's own H3 DiT (full size; tiny with DRY=1) with random weights as shared/bench/anchor_core_forward.py
-    builds it (norm gains 1, biases N(0, 0.01), weights N(0, 0.02), seed 0), bf16, eval: returns (model, hidden)."""
+    """Core's own H3 DiT (full size; tiny with DRY=1) with random weights (norm gains 1, biases N(0, 0.01),
+    weights N(0, 0.02), seed 0), bf16, eval: returns (model, hidden)."""
     import comfy.ops
     import comfy.ldm.minimax.model as mm
 

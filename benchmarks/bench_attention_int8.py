@@ -1,16 +1,16 @@
-"""Issue 9 benchmark: the 8-bit attention kernel (``kernels/attention_int8.py``: INT8 Q K^T, FP8 P V,
+"""Issue 9 benchmark: the 8-bit attention kernel (``kernels/attention/int8_kernels.py``: INT8 Q K^T, FP8 P V,
 Triton) against exact cuDNN SDPA on one GPU (H200), at H3 shapes.
 
 Inputs from ``benchmarks/_common.py: h3_qkv`` (shared with bench_attention.py): 56 heads x 128, bf16, q/k per-head RMS-normalised times a per-channel gain
 in [1, 1.5), strided [1, 56, S, 128] views of one [S, 3*7168] qkv buffer, v cloned (core's layout).
 
-Columns per S: ``cudnn`` = ``kernels.attention.sdpa_with('CUDNN_ATTENTION', q, k, v)`` ([1, H, S, D]
+Columns per S: ``cudnn`` = ``kernels.attention.exact.sdpa_with('CUDNN_ATTENTION', q, k, v)`` ([1, H, S, D]
 out; what ``exact`` runs on Hopper), and each 8-bit config, called as the override does for H3
 (``out_layout='blhd'``: [1, S, 7168] written directly), every pre-pass INCLUDED (K/V statistics and
 quantization, and Q quantization with QPRE). A ``null`` config entry is ``tuned``: what ``int8_sage``
 runs (``tuned_config`` for the device and S); ``{}`` is DEFAULT_CONFIG.
 Time: median of ``triton.testing.do_bench`` (ms). TFLOP/s = 4 S^2 * 56 * 128 / t. ``x_exact`` = time /
-cuDNN time in the same run. Accuracy vs float32 attention (``kernels.attention.reference_attention``)
+cuDNN time in the same run. Accuracy vs float32 attention (``kernels.attention.reference.reference_attention``)
 on 8 heads x 512 query rows (all keys): smallest per-head cosine and relative L2. At the first S each
 config is also checked against the float64 model of its own quantized math (``sage_reference``) on
 2 heads x 256 rows (``vs_model_rel_l2``), and ``tuned`` (or ``{}`` when no ``null`` entry is given) writes
@@ -40,15 +40,16 @@ import triton
 import _common  # benchmarks/_common.py
 
 _common.import_package()
-from h3_turbo.kernels import attention as A  # noqa: E402
-from h3_turbo.kernels import attention_int8 as Q  # noqa: E402
+from h3_turbo.kernels.attention import exact as A  # noqa: E402
+from h3_turbo.kernels.attention import int8_kernels as Q  # noqa: E402
+from h3_turbo.kernels.attention import reference as REF  # noqa: E402
 
 dev = "cuda"
 OUT = os.environ.get("OUT", ".")
 HEADS, D = 56, 128
 SIZES = [int(s) for s in os.environ.get("SIZES", "19584,37632,109000").split(",")]
 BASE = dict(Q.DEFAULT_CONFIG)
-DEFAULT_CONFIGS = [          # changes from kernels.attention_int8.DEFAULT_CONFIG ({} = that default;
+DEFAULT_CONFIGS = [          # changes from kernels.attention.int8_kernels.DEFAULT_CONFIG ({} = that default;
     None,                    # null/None = "tuned": tuned_config(device, S), what the override runs)
     {},
     {"MAGIC": False},
@@ -137,14 +138,14 @@ def run_size(S, configs, first):
     buf, (q, k, v) = h3_qkv(S, seed=S)
     heads_idx = torch.linspace(0, HEADS - 1, 8, device=dev).round().long()
     rows = torch.randperm(S, device=dev)[:512].sort().values
-    ref = A.reference_attention(q, k, v, rows=rows, heads=heads_idx, dtype=torch.float32)   # [8, 512, D]
+    ref = REF.reference_attention(q, k, v, rows=rows, heads=heads_idx, dtype=torch.float32)   # [8, 512, D]
     flops = 4.0 * S * S * HEADS * D
     r = {"S": S, "flop": flops}
     res["sizes"][str(S)] = r            # by reference: a run that dies mid-size still saves what it measured
     t = bench(lambda: A.sdpa_with("CUDNN_ATTENTION", q, k, v), S)
     o = A.sdpa_with("CUDNN_ATTENTION", q, k, v)
     full_ref = o
-    r["cudnn"] = {"ms": t, "tflops": flops / t / 1e9, **A.accuracy(o[0, heads_idx][:, rows].float(), ref)}
+    r["cudnn"] = {"ms": t, "tflops": flops / t / 1e9, **REF.accuracy(o[0, heads_idx][:, rows].float(), ref)}
     print(S, "cudnn", json.dumps(r["cudnn"]), flush=True)
 
     def measure(fn, to_bhsd):
@@ -156,7 +157,7 @@ def run_size(S, configs, first):
         t = bench(fn, S)
         o4 = to_bhsd(o)
         return o4, {"ms": t, "tflops": flops / t / 1e9, "x_exact": t / r["cudnn"]["ms"], "first_call_s": first_s,
-                    **A.accuracy(o4[0, heads_idx][:, rows].float(), ref)}
+                    **REF.accuracy(o4[0, heads_idx][:, rows].float(), ref)}
 
     for cfg0 in configs:
         name = cname(cfg0)
@@ -169,8 +170,8 @@ def run_size(S, configs, first):
                 rs = rows[::2]
                 qz = Q.quantize_reference(q[:, hs], k[:, hs], v[:, hs], cfg)
                 model = Q.sage_reference(q[:, hs], k[:, hs], v[:, hs], config=cfg, rows=rs, quant=qz)
-                rr["vs_model_rel_l2"] = A.rel_l2(o4[0, hs][:, rs].float(), model)
-                rr["model_vs_f32_rel_l2"] = A.rel_l2(model, A.reference_attention(q, k, v, rows=rs, heads=hs))
+                rr["vs_model_rel_l2"] = REF.rel_l2(o4[0, hs][:, rs].float(), model)
+                rr["model_vs_f32_rel_l2"] = REF.rel_l2(model, REF.reference_attention(q, k, v, rows=rs, heads=hs))
                 kv = Q.quantize_kv(k, v, cfg)
                 ce = Q._cfg(cfg)
                 rr["quant_ms"] = bench(lambda: (Q.quantize_kv(k, v, ce),
@@ -185,7 +186,7 @@ def run_size(S, configs, first):
                     o2 = Q.sage_attention(q, k, v, out_layout="blhd", out=poison, config=cfg0).view(1, S, HEADS, D).transpose(1, 2)
                     rr["full_finite"] = bool(torch.isfinite(o2).all())
                     err = ((o2.float() - full_ref.float()).norm(dim=-1) / full_ref.float().norm(dim=-1))
-                    rr["full_rel_l2_vs_cudnn"] = A.rel_l2(o2.float(), full_ref.float())
+                    rr["full_rel_l2_vs_cudnn"] = REF.rel_l2(o2.float(), full_ref.float())
                     rr["full_max_row_rel_err_vs_cudnn"] = float(err.max())
                     rr["full_deterministic"] = bool(torch.equal(
                         Q.sage_attention(q, k, v, out_layout="blhd", config=cfg0).view(1, S, HEADS, D).transpose(1, 2), o2))

@@ -25,8 +25,8 @@ import triton
 import _common  # benchmarks/_common.py
 
 _common.import_package()
-from h3_turbo.kernels import attention as A  # noqa: E402
-from h3_turbo.kernels import attention_int8 as Q  # noqa: E402
+from h3_turbo.kernels.attention import exact as A  # noqa: E402
+from h3_turbo.kernels.attention import int8_kernels as Q  # noqa: E402
 
 
 def db(fn):

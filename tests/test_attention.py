@@ -5,24 +5,31 @@ import copy
 import logging
 import math
 import os
+import re
+import subprocess
+import sys
 
 import pytest
 import torch
 
 from corpus import euler_av_prompt  # noqa: E402  (tests/ is on sys.path)
 
-from h3_turbo.kernels import attention as A
+from h3_turbo import state
+from h3_turbo.kernels import attention as R
+from h3_turbo.kernels.attention import exact as A
+from h3_turbo.kernels.attention import int8_sage
+from h3_turbo.kernels.attention.reference import reference_attention, rel_l2
 
 
 # ---------------------------------------------------------------- pure helpers
 
 def test_resolve_backend_and_buckets():
-    assert A.resolve_backend("auto") == "exact"
-    assert A.resolve_backend("exact") == "exact"
-    assert A.resolve_backend("sdpa_core") == "sdpa_core"
-    assert A.resolve_backend("int8_sage") == "int8_sage"
+    assert R.resolve("auto") == "exact"
+    assert R.resolve("exact") == "exact"
+    assert R.resolve("sdpa_core") == "sdpa_core"
+    assert R.resolve("int8_sage") == "int8_sage"
     with pytest.raises(ValueError, match=r"unknown backend 'sage'.*\['auto', 'exact', 'sdpa_core', 'int8_sage'\]"):
-        A.resolve_backend("sage")
+        R.resolve("sage")
     assert [A.length_bucket(n) for n in (1, 2, 3, 300, 19584, 32768, 32769, 37632, 109000)] == \
         [1, 2, 4, 512, 32768, 32768, 65536, 65536, 131072]
     with pytest.raises(ValueError):
@@ -144,9 +151,9 @@ def test_output_sample_and_rel_l2():
     assert smp.dtype == torch.float32 and smp.shape == (2, 3, 1000, 2)        # stride 5
     assert torch.equal(smp, x[..., ::5, :].float())
     assert A.output_sample(torch.ones(1, 1, 10, 4)).shape == (1, 1, 10, 4)  # short: every row
-    assert A.rel_l2(torch.tensor([3.0, 4.0]), torch.tensor([0.0, 0.0])) == math.inf
-    assert A.rel_l2(torch.zeros(2), torch.zeros(2)) == 0.0
-    assert A.rel_l2(torch.tensor([1.0, 1.0]), torch.tensor([1.0, 0.0])) == 1.0
+    assert rel_l2(torch.tensor([3.0, 4.0]), torch.tensor([0.0, 0.0])) == math.inf
+    assert rel_l2(torch.zeros(2), torch.zeros(2)) == 0.0
+    assert rel_l2(torch.tensor([1.0, 1.0]), torch.tensor([1.0, 0.0])) == 1.0
 
 
 # ---------------------------------------------------------------- the override on the CPU
@@ -166,8 +173,9 @@ def _h3_qkv(s=40, heads=3, d=32, dtype=torch.float32, seed=0):
 
 def _cpu_exact():
     """The SDPA path forced onto the CPU with the MATH backend (the only one PyTorch has there)."""
-    timer = lambda fn: (fn(), 1.0)[1]  # noqa: E731
-    return A.ExactAttention(chooser=A.BackendChooser(timer), candidates=("MATH",), devices=("cpu",))
+    ex = A.cpu_exact()
+    assert ex.candidates == ("MATH",) and ex.devices == ("cpu",) and ex.chooser is not A.exact_override().chooser
+    return ex
 
 
 def _never(*a, **k):
@@ -179,7 +187,7 @@ def test_exact_sdpa_path_matches_float64_reference_on_cpu():
     ex = _cpu_exact()
     out = ex(_never, q, k, v, 3, mask=None, skip_reshape=True, _inside_attn_wrapper=True)
     assert out.shape == (1, 50, 96) and out.dtype == torch.float32
-    ref = A.reference_attention(q, k, v, dtype=torch.float64)            # [3, 50, 32]
+    ref = reference_attention(q, k, v, dtype=torch.float64)            # [3, 50, 32]
     ref = ref.transpose(0, 1).reshape(1, 50, 96)
     rel = ((out.double() - ref).norm() / ref.norm()).item()
     assert rel < 1e-6, rel
@@ -215,6 +223,215 @@ def test_exact_override_is_process_wide():
     assert A.exact_override() is A.exact_override()
     assert A.exact_override().devices == ("cuda",)
     assert A.exact_override().candidates == ("CUDNN_ATTENTION", "FLASH_ATTENTION", "EFFICIENT_ATTENTION")
+
+
+def test_process_state_lives_in_named_stores():
+    """The chooser and the process-wide overrides are h3_turbo.state stores: clear() forgets them (a new
+    object, measured afresh, on next use), snapshot() reports them."""
+    ex, ch = A.exact_override(), A.exact_override().chooser
+    assert state.store("attention_exact").data["value"] is ex and state.store("attention_chooser").data["value"] is ch
+    assert state.store("attention_chooser").snapshot() == {"measured": len(ch.choices)}
+    try:
+        state.ATTENTION_EXACT.clear()
+        state.ATTENTION_CHOOSER.clear()
+        assert state.ATTENTION_CHOOSER.snapshot() == {"measured": 0}
+        ex2 = A.exact_override()
+        assert ex2 is not ex and ex2.chooser is not ch and ex2.chooser is A.exact_override().chooser
+        assert {"attention_chooser", "attention_exact", "attention_int8_sage", "attention_fp8_ones"} <= \
+            set(state.stores_snapshot())
+    finally:   # later tests compare against the objects already installed on models
+        state.ATTENTION_EXACT.data["value"], state.ATTENTION_CHOOSER.data["value"] = ex, ch
+
+
+# ---------------------------------------------------------------- the registry, over every backend
+
+OLD_NODE_DESCRIPTION = (
+    "Attention backend for this model only. auto = exact: exact SDPA with the backend measured fastest on this "
+    "GPU at first use (cuDNN on Hopper); core's path on CPU. sdpa_core: core's PyTorch attention (FA2 first), "
+    "for comparison. int8_sage: 8-bit attention (INT8 Q.K, FP8 P.V; approximate, ~4% relative error per call, "
+    "cosine >= 0.999; about 1.3x faster than exact on an H200); needs a GPU with FP8 (sm_89+), else exact.")
+WITH_FALLBACK = [b.name for b in R.backends() if b.fallback is not None]
+WITHOUT_FALLBACK = [b.name for b in R.backends() if b.fallback is None]
+
+
+def _param(name):
+    """A registry name as a test parameter; backends whose override needs ComfyUI are marked comfyui."""
+    return pytest.param(name, marks=pytest.mark.comfyui) if R.get(name).needs_comfy else name
+
+
+def _holder():
+    """The part of a ComfyUI ModelPatcher that AttentionBackend.apply writes (exact, int8_sage)."""
+    from types import SimpleNamespace
+
+    return SimpleNamespace(model_options={})
+
+
+class _Core:
+    """Stands in for core's attention function: counts calls, computes attention in float32 and returns
+    a new tensor in core's layout."""
+
+    def __init__(self):
+        self.calls = 0
+
+    def __call__(self, q, k, v, heads, mask=None, skip_reshape=False, skip_output_reshape=False, **kw):
+        self.calls += 1
+        if not skip_reshape:
+            b, _, hd = q.shape
+            q, k, v = (t.view(b, -1, heads, hd // heads).transpose(1, 2) for t in (q, k, v))
+        o = torch.nn.functional.scaled_dot_product_attention(q.float(), k.float(), v.float()).to(q.dtype)
+        return o if skip_output_reshape else o.transpose(1, 2).reshape(o.shape[0], -1, o.shape[1] * o.shape[3])
+
+
+def test_registry_names_order_and_resolve():
+    # saved workflows store these strings: the order and the names are part of the node's interface
+    assert R.choices() == ["auto", "exact", "sdpa_core", "int8_sage"]
+    assert R.choices() == [R.AUTO, *R.names()] and R.names() == tuple(b.name for b in R.backends())
+    assert R.get("auto") is R.get("exact") is A.BACKEND and R.get("int8_sage") is int8_sage.BACKEND
+    assert [b.approximate for b in R.backends()] == [False, False, True]
+    assert not R.get(R.resolve(R.AUTO)).approximate                  # auto never picks an approximate backend
+    with pytest.raises(ValueError, match=r"^H3TurboAttention: unknown backend 'int8'; expected one of "
+                                         r"\['auto', 'exact', 'sdpa_core', 'int8_sage'\]$"):
+        R.get("int8")
+    assert R.description() == OLD_NODE_DESCRIPTION
+
+
+def test_register_extends_the_combo_and_checks_the_backend():
+    from h3_turbo.kernels.attention.base import AttentionBackend
+
+    class Fake(AttentionBackend):
+        name, summary, fallback = "fake_test", "a test backend.", "exact"
+
+        def supports(self, device):
+            return False, "never"
+
+        def override(self):
+            return _never
+
+    fake = R.register(Fake())
+    try:
+        assert R.choices()[-1] == "fake_test" and R.get("fake_test") is fake and R.resolve("fake_test") == "fake_test"
+        assert R.description().endswith(" fake_test: a test backend.")
+        h = _holder()
+        fake.apply(h)
+        assert h.model_options["transformer_options"]["optimized_attention_override"] is _never
+        for bad in (Fake(), type("Auto", (Fake,), {"name": "auto"})(), type("E", (Fake,), {"name": ""})(),
+                    type("F", (Fake,), {"name": "fake2", "fallback": "nowhere"})(), object()):
+            with pytest.raises(ValueError, match="attention registry"):
+                R.register(bad)
+    finally:
+        R.unregister("fake_test")
+    assert R.choices() == ["auto", "exact", "sdpa_core", "int8_sage"]
+    with pytest.raises(ValueError, match="unknown backend 'fake_test'"):
+        R.resolve("fake_test")
+
+
+def test_supports_names_the_fallback_reason(monkeypatch):
+    """supports(device) says whether the installed override takes its own path there, with the reason its
+    fallback log gives otherwise."""
+    assert R.get("exact").supports("cpu") == (False, "device type 'cpu'")
+    assert R.get("exact").supports(torch.device("cuda", 1)) == (True, "")
+    assert R.get("sdpa_core").supports("cpu") == (True, "") and R.get("sdpa_core").supports("cuda") == (True, "")
+    i8 = R.get("int8_sage")
+    assert i8.supports("cpu") == (False, "device type 'cpu'")
+    from h3_turbo.kernels.attention import int8_kernels as K
+
+    if K.triton is not None:
+        cap = {"v": (8, 6)}
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d=None: cap["v"])
+        assert i8.supports("cuda") == (False, "GPU compute capability 8.6 has no FP8 tensor cores")
+        cap["v"] = (9, 0)
+        assert i8.supports("cuda:0") == (True, "")
+    monkeypatch.setattr(K, "triton", None)
+    monkeypatch.setattr(K, "_TRITON_ERROR", "ImportError: no triton here")
+    assert i8.supports("cuda") == (False, "triton unavailable (ImportError: no triton here)")
+
+
+@pytest.mark.parametrize("name", WITH_FALLBACK)
+def test_backend_fallback_on_cpu_is_logged_once_and_bit_identical_to_exact(name, caplog):
+    """The override a backend installs hands CPU inputs to its declared fallback: the result is
+    bit-identical to the exact path's (on the CPU: core's own function), one log line names the reason."""
+    b = R.get(name)
+    ok, reason = b.supports("cpu")
+    assert not ok and reason
+    h = _holder()
+    b.apply(h)
+    ov = h.model_options["transformer_options"]["optimized_attention_override"]
+    assert ov is b.override() and ov.backend == name                  # one process-wide override per backend
+    q, k, v = _h3_qkv(s=40, heads=2, d=64, dtype=torch.bfloat16, seed=5)
+    core = _Core()
+    kw = dict(mask=None, skip_reshape=True, _inside_attn_wrapper=True)
+    want = core(q, k, v, 2, **kw)
+    exact_out = R.get("exact").override()(core, q, k, v, 2, **kw)
+    state.LOGGED.clear()
+    c0, n0 = core.calls, ov.calls
+    with caplog.at_level(logging.INFO, logger="h3_turbo"):
+        outs = [ov(core, q, k, v, 2, **kw) for _ in range(3)]
+    for o in outs:
+        assert o.shape == (1, 40, 128) and torch.equal(o, want) and torch.equal(o, exact_out)
+    assert core.calls == c0 + 3 and ov.calls == n0                    # every call reached core's function
+    msgs = [r.getMessage() for r in caplog.records if r.getMessage().startswith(f"H3 Turbo attention '{name}': ")]
+    assert len(msgs) == 1, msgs                                       # logged once
+    target = {"core": "core's attention path", "exact": "exact attention"}[b.fallback]
+    assert msgs[0].startswith(f"H3 Turbo attention '{name}': {reason} -> {target}"), msgs
+
+
+@pytest.mark.comfyui
+@pytest.mark.parametrize("name", WITHOUT_FALLBACK)
+def test_backend_without_fallback_takes_every_input(name, comfy):
+    """A backend that declares no fallback runs every call itself, masks included: on the CPU the same
+    numbers as core's PyTorch attention, and core's ``func`` is never called."""
+    import comfy.ldm.modules.attention as core
+    import comfy.model_patcher
+
+    b = R.get(name)
+    assert b.supports("cpu") == (True, "")
+    m = comfy.model_patcher.ModelPatcher(torch.nn.Linear(2, 2), torch.device("cpu"), torch.device("cpu"))
+    b.apply(m)
+    ov = m.model_options["transformer_options"]["optimized_attention_override"]
+    q, k, v = _h3_qkv(s=48, heads=2, d=32, seed=6)
+    mask = torch.zeros(48, 48)
+    mask[:, 40:] = -float("inf")
+    for extra in ({}, {"mask": mask}):
+        got = ov(_never, q, k, v, 2, skip_reshape=True, _inside_attn_wrapper=True, **extra)
+        want = core.attention_pytorch(q, k, v, 2, skip_reshape=True, **extra)
+        assert torch.equal(got, want)
+        assert torch.equal(b.override()(_never, q, k, v, 2, skip_reshape=True, _inside_attn_wrapper=True, **extra), want)
+
+
+@pytest.mark.parametrize("name", [_param(n) for n in R.names()])
+def test_backend_matches_its_reference_on_cpu(name, request):
+    """Each backend's own path on CPU tensors (its ``cpu_override``) against its eager reference, within its
+    stated tolerance. A backend whose CPU path needs environment variables (``cpu_env``: the Triton
+    interpreter) is re-run here in a subprocess with them."""
+    b = R.get(name)
+    missing = {k: v for k, v in b.cpu_env.items() if os.environ.get(k) != v}
+    if missing:
+        if "TRITON_INTERPRET" in missing:
+            pytest.importorskip("triton")
+        env = dict(os.environ, CUDA_VISIBLE_DEVICES="", **missing)
+        proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                               f"{os.path.abspath(__file__)}::test_backend_matches_its_reference_on_cpu[{name}]"],
+                              env=env, capture_output=True, text=True, timeout=600)
+        tail = proc.stdout[-4000:] + proc.stderr[-2000:]
+        assert proc.returncode == 0 and re.search(r"\b1 passed\b", proc.stdout), tail
+        assert "skipped" not in proc.stdout.splitlines()[-1], tail
+        return
+    if b.needs_comfy:
+        request.getfixturevalue("comfy")
+    tol = b.tolerance
+    q, k, v = _h3_qkv(s=130, heads=2, d=64, dtype=tol.dtype, seed=7)
+    ov = b.cpu_override()
+    out = ov(_never, q, k, v, 2, mask=None, skip_reshape=True, skip_output_reshape=True, _inside_attn_wrapper=True)
+    assert out.shape == (1, 2, 130, 64) and out.dtype == tol.dtype
+    if b.fallback is not None:
+        assert ov.calls == 1                                          # its own path ran, not its fallback
+    res = b.check(out, q, k, v)
+    assert res["ok"], (res, tol)
+    if b.approximate:                                                 # it is not exact attention in disguise
+        assert res["rel_l2"] > 1e-3, res
+    else:
+        assert res["rel_l2"] < 1e-5, res
 
 
 # ---------------------------------------------------------------- real ComfyUI
@@ -266,10 +483,45 @@ def test_node_sets_override_per_model(comfy, fixtures_dir):
     assert core_sdpa.model_options["transformer_options"]["optimized_attention_override"] is ov
     with pytest.raises(ValueError, match="unknown backend"):
         H3TurboAttention.execute(model=model, backend="int8")
-    from h3_turbo.kernels import attention_int8
     eight = H3TurboAttention.execute(model=model, backend="int8_sage").result[0]
-    assert eight.model_options["transformer_options"]["optimized_attention_override"] is attention_int8.int8_override()
+    assert eight.model_options["transformer_options"]["optimized_attention_override"] is int8_sage.int8_override()
     assert "optimized_attention_override" not in model.model_options["transformer_options"]
+
+
+@pytest.mark.comfyui
+def test_node_schema_comes_from_the_registry(comfy):
+    """Node id, display name, inputs and defaults as saved workflows expect; the combo is the registry's
+    choices (a newly registered backend appears in it) and execute applies the chosen backend."""
+    from h3_turbo.kernels.attention.base import AttentionBackend
+    from h3_turbo.nodes.attention import H3TurboAttention
+
+    sch = H3TurboAttention.define_schema()
+    assert (sch.node_id, sch.display_name, sch.category) == ("H3TurboAttention", "H3 Turbo Attention", "H3 Turbo")
+    assert [i.id for i in sch.inputs] == ["model", "backend"]
+    combo = sch.inputs[1]
+    assert combo.options == R.choices() == ["auto", "exact", "sdpa_core", "int8_sage"] and combo.default == "auto"
+    assert sch.description == OLD_NODE_DESCRIPTION
+
+    applied = []
+
+    class Probe(AttentionBackend):
+        name, summary, fallback = "probe_test", "probe.", None
+
+        def supports(self, device):
+            return True, ""
+
+        def apply(self, patcher):
+            applied.append(patcher)
+
+    R.register(Probe())
+    try:
+        assert H3TurboAttention.define_schema().inputs[1].options[-1] == "probe_test"
+        model = _holder()
+        model.clone = lambda: _holder()
+        out = H3TurboAttention.execute(model=model, backend="probe_test").result[0]
+        assert applied == [out] and out is not model
+    finally:
+        R.unregister("probe_test")
 
 
 def _prompt(prefix, with_node, backend="auto"):
@@ -321,9 +573,7 @@ def test_int8_backend_on_cpu_runs_exact_and_is_bit_identical(comfy, caplog):
     import folder_paths
     from safetensors.torch import load_file
 
-    from h3_turbo.kernels import attention_int8
-
-    ov = attention_int8.int8_override()
+    ov = int8_sage.int8_override()
     f0, c0 = ov.fallbacks, ov.calls
     with caplog.at_level(logging.INFO, logger="h3_turbo"):
         comfy.run(_prompt("h3attn8_with", True, backend="int8_sage"))

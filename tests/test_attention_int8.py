@@ -1,4 +1,5 @@
-"""Issue 9: the 8-bit attention kernel (kernels/attention_int8.py) on the CPU.
+"""Issue 9: the 8-bit attention kernels (kernels/attention/int8_kernels.py) and the int8_sage override
+(kernels/attention/int8_sage.py) on the CPU.
 
 The Triton kernels run under TRITON_INTERPRET=1, which must be set before triton is first imported:
 ``test_interpreted_kernels_in_subprocess`` re-runs this file's ``test_interp_*`` tests in a fresh
@@ -17,8 +18,12 @@ import torch
 
 INTERP = os.environ.get("TRITON_INTERPRET") == "1"
 
-from h3_turbo.kernels import attention as A  # noqa: E402
-from h3_turbo.kernels import attention_int8 as Q  # noqa: E402
+from h3_turbo import state  # noqa: E402
+from h3_turbo.kernels import attention as R  # noqa: E402
+from h3_turbo.kernels.attention import exact as A  # noqa: E402
+from h3_turbo.kernels.attention import int8_kernels as Q  # noqa: E402
+from h3_turbo.kernels.attention import int8_sage as S  # noqa: E402
+from h3_turbo.kernels.attention.reference import accuracy, reference_attention, rel_l2  # noqa: E402
 
 interp = pytest.mark.skipif(not INTERP, reason="needs TRITON_INTERPRET=1 (run by test_interpreted_kernels_in_subprocess)")
 
@@ -57,22 +62,22 @@ def test_reference_quantization_rules():
     assert z["v8"].abs().max() == 448.0
     assert torch.equal(z["v8"], z["v8"].to(torch.float8_e4m3fn).float())
     vd = z["v8"] * z["vs"][:, None] + z["vm"][:, None]
-    assert A.rel_l2(vd, v.float()[0]) < 0.04
+    assert rel_l2(vd, v.float()[0]) < 0.04
 
 
 def test_reference_model_is_attention():
     """The float64 model of the quantized math is softmax attention up to 8-bit error, and with
     V_MEAN the result does not depend on a constant channel offset of v beyond that error."""
     _, (q, k, v) = h3_like(300, H=2, seed=2)
-    ref = A.reference_attention(q, k, v, dtype=torch.float64)
+    ref = reference_attention(q, k, v, dtype=torch.float64)
     m = Q.sage_reference(q, k, v, config={"BLOCK_M": 64, "BLOCK_N": 64})
-    acc = A.accuracy(m, ref)
+    acc = accuracy(m, ref)
     assert acc["rel_l2"] < 0.06 and acc["cos_min"] > 0.998, acc
     mb = Q.sage_reference(q, k, v, config={"BLOCK_M": 64, "BLOCK_N": 64, "PV_FP8": False})
-    assert A.accuracy(mb, ref)["rel_l2"] < 0.04
+    assert accuracy(mb, ref)["rel_l2"] < 0.04
     # a large channel offset of v: mean subtraction keeps the fp8 error relative to v - mean
     _, (q, k, v2) = h3_like(300, H=2, seed=2, v_offset=20.0)
-    ref2 = A.reference_attention(q, k, v2, dtype=torch.float64)
+    ref2 = reference_attention(q, k, v2, dtype=torch.float64)
     m2 = Q.sage_reference(q, k, v2, config={"BLOCK_M": 64, "BLOCK_N": 64, "V_MEAN": True})
     assert (m2 - ref2).norm() / (ref2 - 20.0).norm() < 0.08
     m3 = Q.sage_reference(q, k, v2, config={"BLOCK_M": 64, "BLOCK_N": 64, "V_MEAN": False})
@@ -103,8 +108,8 @@ def _fallback_exact():
 def test_fallback_logs_once_and_returns_exact(case, caplog):
     if case == "kernel_error" and (INTERP or Q.triton is None):
         pytest.skip("needs compiled (not interpreted) Triton: a launch on CPU tensors raises")
-    A._LOGGED.clear()
-    ov = Q.Int8SageAttention(fallback=_fallback_exact())            # devices=("cuda",): CPU falls back
+    state.LOGGED.clear()
+    ov = S.Int8SageAttention(fallback=_fallback_exact())            # devices=("cuda",): CPU falls back
     _, (q, k, v) = h3_like(40, H=2, seed=3)
     kw = {"skip_reshape": True}
     mask = None
@@ -150,7 +155,7 @@ def test_fallback_logs_once_and_returns_exact(case, caplog):
 
 def test_backend_names_unchanged_when_not_shipped():
     # int8_sage is only offered by the node once it meets issue 9's targets (see the module/report)
-    assert A.resolve_backend("auto") == "exact"
+    assert R.resolve("auto") == "exact"
 
 
 def test_tuned_config_per_device(monkeypatch):
@@ -171,8 +176,8 @@ def test_tuned_config_per_device(monkeypatch):
         c = Q.tuned_config("cuda", lk)
         assert c == {**Q.DEFAULT_CONFIG, "TMA": True, "QPRE": True, "ROWSUM_MMA": True, "num_stages": 2,
                      "MAXNREG": 168}, c
-    assert Q.Int8SageAttention(fallback=_fallback_exact()).config is None   # tuned per call
-    assert Q.Int8SageAttention(fallback=_fallback_exact(), config={"BLOCK_N": 64}).config["BLOCK_N"] == 64
+    assert S.Int8SageAttention(fallback=_fallback_exact()).config is None   # tuned per call
+    assert S.Int8SageAttention(fallback=_fallback_exact(), config={"BLOCK_N": 64}).config["BLOCK_N"] == 64
     with pytest.raises(ValueError, match="ROWSUM_MMA needs PV_FP8"):
         Q._cfg({"ROWSUM_MMA": True, "PV_FP8": False})
     with pytest.raises(ValueError, match="unknown config keys"):
@@ -204,6 +209,36 @@ def test_bad_inputs_named_before_any_kernel():
         assert msg in str(e.value), (msg, str(e.value))
 
 
+def test_without_triton_kernels_raise_no_capable_path_and_override_runs_exact(monkeypatch, caplog):
+    """No Triton: the kernel entry points raise NoCapablePathError (still a RuntimeError, same message), the
+    override hands every call to exact with the reason logged once."""
+    from h3_turbo.errors import NoCapablePathError
+
+    monkeypatch.setattr(Q, "triton", None)
+    monkeypatch.setattr(Q, "_TRITON_ERROR", "ImportError: no triton here")
+    _, (q, k, v) = h3_like(40, H=2, seed=3)
+    for fn in (lambda: Q.sage_attention(q, k, v), lambda: Q.quantize_q(q, 0.1)):
+        with pytest.raises(NoCapablePathError, match=r"^attention_int8: triton unavailable \(ImportError: no triton here\)$") as e:
+            fn()
+        assert isinstance(e.value, RuntimeError)
+    state.LOGGED.clear()
+    ov = S.Int8SageAttention(fallback=_fallback_exact(), devices=("cpu",))
+    with caplog.at_level(logging.INFO, logger="h3_turbo"):
+        out = [ov(_Core(), q, k, v, 2, None, skip_reshape=True) for _ in range(2)]
+    assert torch.equal(out[0], out[1]) and ov.fallbacks == 2 and ov.calls == 0
+    msgs = [r.getMessage() for r in caplog.records if "int8_sage" in r.getMessage()]
+    assert msgs == ["H3 Turbo attention 'int8_sage': triton unavailable (ImportError: no triton here) -> exact attention"]
+
+
+def test_ones_tile_cached_in_a_state_store():
+    t = Q._ones_e4m3("cpu", 64)
+    assert t.shape == (16, 64) and t.dtype == torch.float8_e4m3fn and bool((t.float() == 1).all())
+    assert Q._ones_e4m3("cpu", 64) is t and state.store("attention_fp8_ones").data[("cpu", 64)] is t
+    assert Q._ones_e4m3("cpu", 32) is not t
+    state.ATTENTION_FP8_ONES.clear()
+    assert state.ATTENTION_FP8_ONES.snapshot() == {"entries": 0} and Q._ones_e4m3("cpu", 64) is not t
+
+
 def test_reference_rowsum_of_rounded_p():
     """ROWSUM_MMA's model normalises by the sum of the e4m3-rounded P: a different, equally accurate
     function (rel. L2 to float32 attention within 2 % of the unrounded-sum model's)."""
@@ -211,9 +246,9 @@ def test_reference_rowsum_of_rounded_p():
     cfg = {"BLOCK_M": 64, "BLOCK_N": 64}
     m0 = Q.sage_reference(q, k, v, config=cfg)
     m1 = Q.sage_reference(q, k, v, config={**cfg, "ROWSUM_MMA": True})
-    ref = A.reference_attention(q, k, v).double()
-    e0, e1 = A.rel_l2(m0, ref), A.rel_l2(m1, ref)
-    assert 0 < A.rel_l2(m1, m0) < 0.01 and e1 < e0 * 1.02 and e1 < 0.06, (e0, e1)
+    ref = reference_attention(q, k, v).double()
+    e0, e1 = rel_l2(m0, ref), rel_l2(m1, ref)
+    assert 0 < rel_l2(m1, m0) < 0.01 and e1 < e0 * 1.02 and e1 < 0.06, (e0, e1)
 
 
 # ------------------------------------------------------------------ Triton kernels (interpreter)
@@ -258,15 +293,15 @@ def test_interp_kernel_matches_model_and_attention(S, cfg):
     model = Q.sage_reference(q, k, v, config=cfg, quant=z).view(1, 2, S, 128)
     # same quantized math: only fp32-vs-fp64 arithmetic and the bf16 output rounding differ
     # (MAGIC's one-FMA score moves P by ~1e-4 relative, so a few P's round to the other e4m3 neighbour)
-    e_model = A.rel_l2(out.double(), model)
-    e_round = A.rel_l2(out.double(), model.to(torch.bfloat16).double())
+    e_model = rel_l2(out.double(), model)
+    e_round = rel_l2(out.double(), model.to(torch.bfloat16).double())
     if Q._cfg(cfg)["ROWSUM_MMA"]:   # it is the rounded-P row sum that ran: the plain-sum model is clearly farther
         plain = Q.sage_reference(q, k, v, config={**cfg, "ROWSUM_MMA": False}, quant=z).view(1, 2, S, 128)
-        assert e_model < 0.7 * A.rel_l2(out.double(), plain), (e_model, A.rel_l2(out.double(), plain))
+        assert e_model < 0.7 * rel_l2(out.double(), plain), (e_model, rel_l2(out.double(), plain))
     assert e_model < 4e-3, e_model
     assert e_round < (3e-3 if Q._cfg(cfg)["MAGIC"] else 1e-3), e_round
     # against true float32 attention: 8-bit error (fp8 P V ~4%, bf16 P V ~3% on H3-like inputs)
-    acc = A.accuracy(out[0].float(), A.reference_attention(q, k, v))
+    acc = accuracy(out[0].float(), reference_attention(q, k, v))
     bound = 0.06 if Q._cfg(cfg)["PV_FP8"] else 0.04
     assert acc["rel_l2"] < bound and acc["cos_min"] > 0.998, acc
     # [B, L, H*D] output layout (core's skip_output_reshape=False) holds the same numbers
@@ -287,9 +322,9 @@ def test_interp_cross_lengths_batch_scale_fp16_d64(hopper):
     out = Q.sage_attention(q, k, v, scale=0.2, config=cfg)
     assert out.dtype == torch.float16 and out.shape == (2, 3, 50, 64)
     model = Q.sage_reference(q, k, v, scale=0.2, config=cfg).view(2, 3, 50, 64)
-    assert A.rel_l2(out.double(), model) < 4e-3
+    assert rel_l2(out.double(), model) < 4e-3
     ref = torch.softmax(q.double() @ k.double().transpose(-1, -2) * 0.2, -1) @ v.double()
-    assert A.rel_l2(out.double(), ref) < 0.06
+    assert rel_l2(out.double(), ref) < 0.06
 
 
 @interp
@@ -301,13 +336,13 @@ def test_interp_negative_scale():
         out = Q.sage_attention(q, k, v, scale=s, config=cfg)
         ref = torch.softmax(q.double() @ k.double().transpose(-1, -2) * s, -1) @ v.double()
         model = Q.sage_reference(-q, k, v, scale=-s, config=cfg).view(1, 2, 130, 128)
-        assert A.rel_l2(out.double(), model) < 4e-3 and A.rel_l2(out.double(), ref) < 0.06
+        assert rel_l2(out.double(), model) < 4e-3 and rel_l2(out.double(), ref) < 0.06
 
 
 @interp
 def test_interp_override_runs_kernel_in_core_layouts():
     _, (q, k, v) = h3_like(100, H=2, seed=11)
-    ov = Q.Int8SageAttention(fallback=_fallback_exact(), devices=("cpu",), config={"BLOCK_M": 64, "BLOCK_N": 64})
+    ov = S.Int8SageAttention(fallback=_fallback_exact(), devices=("cpu",), config={"BLOCK_M": 64, "BLOCK_N": 64})
     core = _Core()
     out = ov(core, q, k, v, 2, None, skip_reshape=True)                       # H3's call
     assert out.shape == (1, 100, 256) and ov.calls == 1 and ov.fallbacks == 0 and core.calls == 0
@@ -317,8 +352,8 @@ def test_interp_override_runs_kernel_in_core_layouts():
     assert torch.equal(out4, want)
     q3, k3, v3 = (t.transpose(1, 2).reshape(1, 100, 256) for t in (q, k, v))    # [B, L, heads*D] inputs
     assert torch.equal(ov(core, q3, k3, v3, 2), out)
-    ref = A.reference_attention(q, k, v)
-    assert A.accuracy(out.view(1, 100, 2, 128).transpose(1, 2)[0].float(), ref)["cos_min"] > 0.998
+    ref = reference_attention(q, k, v)
+    assert accuracy(out.view(1, 100, 2, 128).transpose(1, 2)[0].float(), ref)["cos_min"] > 0.998
 
 
 # ------------------------------------------------------------------ runner

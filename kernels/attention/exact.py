@@ -1,23 +1,15 @@
-"""Per-model attention backends for H3 through core ComfyUI's attention override (issue 9).
+"""The ``exact`` attention backend: exact SDPA with the SDPA backend measured fastest on this device.
 
-Core ComfyUI runs H3's attention (``comfy/ldm/minimax/model.py: Attention.forward``) as
-``optimized_attention(q, k, v, heads, mask=None, skip_reshape=True, transformer_options=...)``
-with q, k, v wrapped in ``AttentionTensorContainer`` ([1, heads, S, 128] strided views of the
-qkv buffer). The ``wrap_attn`` decorator (``comfy/ldm/modules/attention.py``) looks up
-``transformer_options["optimized_attention_override"]``, takes the containers and calls
-``override(func, q, k, v, heads, **kwargs)`` where ``func`` is core's own attention function and
-``kwargs`` still hold ``_inside_attn_wrapper=True`` (so ``func(...)`` never re-enters the override).
+Contract: :class:`ExactAttention` is a core attention override (``override(func, q, k, v, heads,
+**kwargs)``, see :mod:`.base`). For CUDA inputs it handles (no mask, no GQA, one dtype and device) it
+measures the exact SDPA candidates (:data:`CANDIDATES`) once per (device, shape bucket, dtype) on the
+first real call (:class:`BackendChooser`), caches the fastest one that agrees with the others, and runs
+``F.scaled_dot_product_attention`` with it first. All candidates compute softmax(q k^T * scale) v up to
+the input dtype's rounding; nothing is quantised. Output: core's layout and q's dtype. Everything else
+(every call on the CPU, masks, GQA, ...) goes to core's ``func`` unchanged, each reason logged once.
+Why a measurement (core forces FA2 first; cuDNN is faster on Hopper): ``docs/attention.md``.
 
-On CUDA, core's SDPA path (``comfy.ops.scaled_dot_product_attention``) forces the backend priority
-FLASH (PyTorch's FA2) > cuDNN > EFFICIENT > MATH. On Hopper, cuDNN's SDPA is 1.7-1.8x faster at H3
-shapes (``shared/bench/anchor_sdpa_backend.json``: 17.8 vs 30.7 ms per block at S = 19 584). The
-``exact`` backend here therefore measures the exact SDPA backends once per (device, shape bucket,
-dtype) on the first real call, caches the fastest, and runs SDPA with that backend first. All
-candidates compute the same function (softmax(q k^T * scale) v) up to bf16 rounding; nothing is
-quantised. On CPU (and for inputs it does not handle) it calls core's ``func`` unchanged.
-
-This module needs only torch (no ComfyUI import), so it is testable on the CPU and importable by
-the benchmark on a machine without ComfyUI's package layout.
+Torch only (no ComfyUI import): testable on the CPU and importable by the benchmarks.
 """
 from __future__ import annotations
 
@@ -28,42 +20,16 @@ from typing import Any, Callable, Hashable, Sequence
 
 import torch
 
-log = logging.getLogger("h3_turbo")
+from ... import state
+from ...logs import log, log_once
+from .base import AttentionBackend, Tolerance, device_reason, parse_core_call
+from .reference import rel_l2
 
-# Node backend names. ``auto`` resolves to ``exact`` on every device: the 8-bit backend is approximate,
-# so the user opts into it by name. ``int8_sage``: kernels/attention_int8.py (INT8 Q.K, FP8 P.V; on the
-# H200 0.78-0.79x exact's time at 19 584 tokens, 0.77x at 37 632, 0.67-0.69x at 109 000, per-head cosine >= 0.9990 vs float32:
-# benchmarks/results/bench_attention_int8_h200.md); unsupported inputs run ``exact`` (logged once).
-AUTO = "auto"
-EXACT = "exact"
-SDPA_CORE = "sdpa_core"
-INT8_SAGE = "int8_sage"
-BACKENDS: tuple[str, ...] = (AUTO, EXACT, SDPA_CORE, INT8_SAGE)
+NAME = "exact"
 
 # Exact SDPA candidates, in the order they are tried (and the fallback order behind the winner).
 CANDIDATES: tuple[str, ...] = ("CUDNN_ATTENTION", "FLASH_ATTENTION", "EFFICIENT_ATTENTION")
-
-_LOGGED: set[Hashable] = set()
-
-
-def _log_once(key: Hashable, level: int, msg: str, *args) -> None:
-    """``log.log(level, msg, *args)`` the first time ``key`` is seen in this process."""
-    if key in _LOGGED:
-        return
-    _LOGGED.add(key)
-    log.log(level, msg, *args)
-
-
-def resolve_backend(name: str) -> str:
-    """Map a node backend name to the one that runs: ``auto`` -> ``exact``; others unchanged.
-
-    Raises ValueError naming the accepted values for an unknown name.
-    """
-    if name == AUTO:
-        return EXACT
-    if name not in BACKENDS:
-        raise ValueError(f"H3TurboAttention: unknown backend {name!r}; expected one of {list(BACKENDS)}")
-    return name
+DEVICES: tuple[str, ...] = ("cuda",)      # device types the process-wide override takes the SDPA path on
 
 
 def length_bucket(n: int) -> int:
@@ -116,13 +82,6 @@ def output_sample(out: torch.Tensor, rows: int = 1024) -> torch.Tensor:
     return out[..., ::stride, :].float().clone()
 
 
-def rel_l2(a: torch.Tensor, b: torch.Tensor) -> float:
-    """||a - b|| / ||b|| in float64 (0 if both are zero, inf if only b is)."""
-    num = (a.double() - b.double()).norm().item()
-    den = b.double().norm().item()
-    return (0.0 if num == 0 else math.inf) if den == 0 else num / den
-
-
 class BackendChooser:
     """Measures candidates once per key and caches the fastest one that computes the right thing.
 
@@ -131,10 +90,8 @@ class BackendChooser:
     so is one whose warm-up output is a tensor holding a NaN or inf. Then ``timer(lambda: run(c))``
     gives its seconds. When two or more candidates returned tensors, their outputs are compared on a
     strided row sample (:func:`output_sample`): a candidate whose relative L2 distance to every other
-    one exceeds ``agree_tol`` is rejected as wrong. (Exact bf16 SDPA backends agree to ~3e-3 at H3
-    shapes; on the H200 PyTorch's EFFICIENT_ATTENTION returned finite but wrong values at S = 109 000,
-    0.24 from cuDNN and FA2 in every row, and NaN on other inputs.) If no two candidates agree, none is
-    chosen. Returns the usable candidate with the smallest time (first in order on ties), or None.
+    one exceeds ``agree_tol`` is rejected as wrong (an SDPA backend can return finite but wrong values:
+    ``docs/attention.md``). If no two candidates agree, none is chosen. Returns the usable candidate with the smallest time (first in order on ties), or None.
     Later calls with the same key return the cached choice without running anything. The outcome is
     logged once per key at INFO (at WARNING when a candidate was rejected as wrong or none is usable).
     """
@@ -200,54 +157,6 @@ def sdpa_with(name: str, q, k, v, scale=None, fallbacks: Sequence[str] = ()) -> 
         return torch.nn.functional.scaled_dot_product_attention(q, k, v, dropout_p=0.0, is_causal=False, **kw)
 
 
-@dataclass
-class CoreCall:
-    """One call of core's attention, ``func(q, k, v, heads, mask=None, **kwargs)``, as [B, H, L, D] views."""
-    q: torch.Tensor
-    k: torch.Tensor
-    v: torch.Tensor
-    scale: float | None
-    skip_output_reshape: bool
-
-
-def parse_core_call(args: tuple, kwargs: dict, devices: Sequence[str]) -> CoreCall | str:
-    """Read the arguments core's ``wrap_attn`` hands an override (``comfy/ldm/modules/attention.py``):
-    q, k, v [B, L, heads*D] (or [B, heads, L, D] with ``skip_reshape``), ``heads``, an optional mask.
-    Returns the q/k/v as [B, H, L, D] (views wherever the strides allow) with ``scale`` and ``skip_output_reshape``, or, for
-    a call an override should hand on, the reason as a string: another call signature, non-tensors, a
-    device type not in ``devices``, a mask, grouped-query attention, mixed dtypes/devices, heads < 1, or
-    inputs of another rank/width."""
-    if len(args) < 4:
-        return "non-standard call signature"
-    if len(args) > 5:
-        return "positional arguments past mask"
-    q, k, v, heads = args[:4]
-    mask = args[4] if len(args) > 4 else kwargs.get("mask")
-    if not all(isinstance(t, torch.Tensor) for t in (q, k, v)):
-        return "inputs are not tensors"
-    if q.device.type not in devices:
-        return f"device type {q.device.type!r}"
-    if mask is not None:
-        return "attention mask given"
-    if kwargs.get("enable_gqa", False):
-        return "grouped-query attention"
-    if not (q.dtype == k.dtype == v.dtype and q.device == k.device == v.device):
-        return "q/k/v dtype or device differ"
-    heads = int(heads)
-    if heads < 1:
-        return f"heads={heads} (expected >= 1)"
-    if kwargs.get("skip_reshape", False):
-        if q.ndim != 4 or k.ndim != 4 or v.ndim != 4:
-            return "skip_reshape inputs are not 4-D"
-    else:
-        if q.ndim != 3 or k.ndim != 3 or v.ndim != 3 or q.shape[-1] % heads or k.shape[-1] != q.shape[-1] \
-                or v.shape[-1] != q.shape[-1]:
-            return "inputs are not [B, L, heads*D]"
-        dh = q.shape[-1] // heads
-        q, k, v = (t.reshape(t.shape[0], t.shape[1], heads, dh).transpose(1, 2) for t in (q, k, v))
-    return CoreCall(q, k, v, kwargs.get("scale", None), bool(kwargs.get("skip_output_reshape", False)))
-
-
 class ExactAttention:
     """Core attention override ``override(func, q, k, v, heads, **kwargs)`` running exact SDPA with the
     fastest backend measured on this device (see module docstring).
@@ -264,10 +173,10 @@ class ExactAttention:
     ``calls``/``delegated``: counters of calls handled here / passed to ``func``.
     """
 
-    backend = EXACT
+    backend = NAME
 
     def __init__(self, chooser: BackendChooser | None = None, candidates: Sequence[str] = CANDIDATES,
-                 devices: Sequence[str] = ("cuda",)):
+                 devices: Sequence[str] = DEVICES):
         self.chooser = chooser if chooser is not None else _default_chooser()
         self.candidates = tuple(candidates)
         self.devices = tuple(devices)
@@ -275,9 +184,8 @@ class ExactAttention:
         self.delegated = 0
 
     def _delegate(self, reason: str, func, args, kwargs):
-        _log_once(("delegate", reason), logging.INFO,
-                  "H3 Turbo attention 'exact': %s -> core's attention path (%s)", reason,
-                  getattr(func, "__name__", func))
+        log_once(("attention", NAME, reason), "H3 Turbo attention 'exact': %s -> core's attention path (%s)",
+                 reason, getattr(func, "__name__", func), level=logging.INFO)
         self.delegated += 1
         return func(*args, **kwargs)
 
@@ -300,42 +208,45 @@ class ExactAttention:
         return out
 
 
-_CHOOSER: BackendChooser | None = None
-_EXACT: ExactAttention | None = None
 
 
 def _default_chooser() -> BackendChooser:
-    global _CHOOSER
-    if _CHOOSER is None:
-        _CHOOSER = BackendChooser(cuda_event_timer(reps=2))
-    return _CHOOSER
+    """The process-wide chooser (:data:`h3_turbo.state.ATTENTION_CHOOSER`), CUDA-event timing."""
+    return state.ATTENTION_CHOOSER.get(lambda: BackendChooser(cuda_event_timer(reps=2)))
 
 
 def exact_override() -> ExactAttention:
-    """The process-wide ``exact`` override (one measurement cache for every model that uses it)."""
-    global _EXACT
-    if _EXACT is None:
-        _EXACT = ExactAttention()
-    return _EXACT
+    """The process-wide ``exact`` override (:data:`h3_turbo.state.ATTENTION_EXACT`: one measurement cache
+    for every model that uses it)."""
+    return state.ATTENTION_EXACT.get(ExactAttention)
 
 
-def reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rows=None, heads=None,
-                        dtype=torch.float32) -> torch.Tensor:
-    """softmax(q k^T / sqrt(D)) v in ``dtype`` for q/k/v [1, H, L, D], on a sample: query ``rows``
-    (index tensor, default all) of ``heads`` (index tensor, default all). Returns [h, r, D]."""
-    hs = torch.arange(q.shape[1], device=q.device) if heads is None else heads
-    out = []
-    for h in hs.tolist():
-        qh = q[0, h] if rows is None else q[0, h, rows]
-        s = (qh.to(dtype) @ k[0, h].to(dtype).T) / math.sqrt(q.shape[-1])
-        out.append(torch.softmax(s, dim=-1) @ v[0, h].to(dtype))
-    return torch.stack(out)
+def cpu_exact(**kwargs) -> ExactAttention:
+    """An :class:`ExactAttention` whose SDPA path runs on the CPU (``MATH``, the only SDPA backend there,
+    untimed): the layout handling and the chooser on CPU tensors, for tests and dry benchmark runs."""
+    return ExactAttention(chooser=BackendChooser(lambda fn: (fn(), 1.0)[1]), candidates=("MATH",),
+                          devices=("cpu",), **kwargs)
 
 
-def accuracy(out: torch.Tensor, ref: torch.Tensor) -> dict[str, float]:
-    """Per-head cosine (min over heads) and relative L2 of ``out`` [h, r, D] against ``ref`` (same shape)."""
-    o = out.double().flatten(1)
-    r = ref.double().flatten(1)
-    cos = torch.nn.functional.cosine_similarity(o, r, dim=-1)
-    return {"cos_min": float(cos.min()), "rel_l2": float((o - r).norm() / r.norm())}
+class ExactBackend(AttentionBackend):
+    """``exact``: :func:`exact_override` on every model; CUDA inputs run SDPA with the measured backend."""
 
+    name = NAME
+    summary = ("exact SDPA with the backend measured fastest on this GPU at first use (cuDNN on Hopper); "
+               "core's path on CPU.")
+    approximate = False
+    fallback = "core"
+    tolerance = Tolerance(rel_l2=1e-6, cos_min=1.0 - 1e-9, dtype=torch.float32)   # float32 inputs, vs float64
+
+    def supports(self, device):
+        dev = torch.device(device)
+        return (True, "") if dev.type in DEVICES else (False, device_reason(dev))
+
+    def override(self) -> ExactAttention:
+        return exact_override()
+
+    def cpu_override(self) -> ExactAttention:
+        return cpu_exact()
+
+
+BACKEND = ExactBackend()

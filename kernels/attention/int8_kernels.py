@@ -1,7 +1,14 @@
-"""8-bit attention for H3 on Hopper (issue 9): INT8 Q K^T and FP8 (e4m3) P V in Triton, after the
-SageAttention-2 recipe (Zhang et al., "SageAttention2: Efficient Attention with Thorough Outlier
+"""The 8-bit attention kernels of the ``int8_sage`` backend: INT8 Q K^T and FP8 (e4m3) P V in Triton,
+after the SageAttention-2 recipe (Zhang et al., "SageAttention2: Efficient Attention with Thorough Outlier
 Smoothing and Per-thread INT4 Quantization", arXiv:2411.10958; per-block INT8 Q/K with K smoothing,
-FP8 P V with per-channel V scales).
+FP8 P V with per-channel V scales). The core override that uses them: :mod:`.int8_sage`.
+
+Entry points: :func:`sage_attention` (q [B, H, Lq, D], k/v [B, H, Lk, D], bf16/fp16, D in 64/128, any
+strides -> q's dtype, layout ``bhld`` or core's ``blhd``); the pre-kernels :func:`quantize_kv` /
+:func:`quantize_q`; the torch models :func:`quantize_reference` / :func:`sage_reference` (the same math in
+float32/float64, for tests). Bad inputs or configs raise ValueError naming them; without Triton the kernels
+raise :class:`h3_turbo.errors.NoCapablePathError`. A new variant is a config key (:data:`DEFAULT_CONFIG`,
+checked by :func:`_cfg`) plus its branch in the kernels and in :func:`sage_reference`.
 
 Math, for q, k, v [B, H, L, D] (any strides), ``scale`` (default ``D ** -0.5``), ``log2e = 1/ln 2``:
 
@@ -9,7 +16,7 @@ Math, for q, k, v [B, H, L, D] (any strides), ``scale`` (default ``D ** -0.5``),
   adding ``q . const`` to every score of a row).
 * Q: per block of ``BLOCK_M`` query rows of one head, ``a = max |q|``, ``sq = a / 127``,
   ``q8 = round_half_away(q * (127 / a))`` (int8, 0 where a = 0); inside the attention kernel, or by the
-  pre-kernel :func:`quantize_q` with ``QPRE`` (the tuned Hopper configuration).
+  pre-kernel :func:`quantize_q` with ``QPRE``.
 * K: the same on ``k'`` per block of ``BLOCK_N`` keys (``sk``), by the pre-kernel :func:`quantize_kv`.
 * Scores in the exp2 domain: ``s = (q8 . k8) * (sq * scale * log2e) * sk`` with an exact int32 dot.
 * V: optional per-channel mean ``mv`` subtracted (``V_MEAN``; added back at the end since softmax rows
@@ -20,68 +27,42 @@ Math, for q, k, v [B, H, L, D] (any strides), ``scale`` (default ``D ** -0.5``),
   ``p = exp2(s - m_new + log2 448)`` (P scaled by 448 to use e4m3's range), ``l = l * alpha + sum(p)``
   (float32, unrounded p; with ``ROWSUM_MMA`` the sum of the e4m3-rounded p, taken per key block on the
   tensor cores), ``acc = acc * alpha + e4m3(p) @ v8`` with ``alpha = exp2(m_old - m_new)`` (the fp8 MMA
-  accumulates in float32 registers; on Hopper its internal accumulation keeps ~14 bits).
+  accumulates in float32 registers).
 * A negative ``scale`` runs as ``(-q, |scale|)`` (the same softmax).
 * ``out = acc / l * sv + mv``, in q's dtype.
 
 Config keys (:data:`DEFAULT_CONFIG`): ``BLOCK_M``/``BLOCK_N``/``num_warps``/``num_stages`` (launch);
 ``PV_FP8=False`` runs P V in bf16 instead (P rounded to bf16, v - mv in bf16). ``MAGIC=True`` converts
-the int32 scores to float with no conversion instruction (I2F shares the 16/clk pipe with exp2): the
-int32 accumulator starts at 0x4B400000 (the bits of 2^23 + 2^22), so its bits read as float are exactly
-``12582912 + q8.k8`` (|q8.k8| <= 127*127*128 < 2^22) and a multiply-add gives the score. ``V_MEAN``
-(default off): on zero-mean v the mean (~1/sqrt(L)) is below one rounding step of v, so rounding
-``v - mv`` is biased by ``mv`` itself and the error grows (measured 2.2 % -> 4.0 % rel. L2 with bf16 P V
-at L = 37 632); it only pays for large channel offsets. ``IMPRECISE``: ``max_num_imprecise_acc`` of the
-fp8 P V dot (None: Triton's Hopper default, accumulate in the wgmma accumulator; a number promotes to
-fp32 every that many keys: measured < 1e-5 cosine gain for 12 % time). ``TMA``: K/V tiles through
-tensor descriptors (bulk tensor copies) instead of per-thread ``cp.async``. (``tl.range(warp_specialize=True)``
-had no effect on this loop with triton 3.6: its Hopper pass only splits loops whose dot operands all come
-from tensor descriptors, and a variant built that way ran 2.25x slower on the H200, run 14 in
-bench_attention_int8_h200.md; the option was removed.) ``QPRE``: Q is
-quantized by its own pre-kernel (:func:`quantize_q`, the same float32 ops) into an int8 [B*H, L_pad, D]
-copy, so the kernel's Q tile is read by the tensor cores from shared memory instead of occupying 16
-registers per thread. ``ROWSUM_MMA``: the softmax row sum is taken on the tensor cores as
-``e4m3(p) @ ones`` (a fresh accumulator per key block, added to a float32 running sum; Hopper's fp8 MMA
-accumulates with ~14-bit precision, which made a running sum inside the MMA accumulator wrong by
-26-90 % at these lengths), i.e. ``l`` sums the same rounded P that multiplies V (needs ``PV_FP8``).
-``MAXNREG``: register cap per thread (Triton's ``maxnreg``). With TMA, QPRE and ROWSUM_MMA the kernel
-needs 165 registers and 76 KB of shared memory at 2 stages: 3 CTAs (12 warps) per Hopper SM instead of 2.
-
+the int32 scores to float with no conversion instruction: the int32 accumulator starts at 0x4B400000
+(the bits of 2^23 + 2^22), so its bits read as float are exactly ``12582912 + q8.k8``
+(|q8.k8| <= 127*127*128 < 2^22) and a multiply-add gives the score. ``V_MEAN`` (default off): subtract
+v's channel mean before the fp8 rounding (pays only for large channel offsets). ``IMPRECISE``:
+``max_num_imprecise_acc`` of the fp8 P V dot (None: Triton's Hopper default; a number promotes to fp32
+every that many keys). ``TMA``: K/V tiles through tensor descriptors (bulk tensor copies) instead of
+per-thread ``cp.async``. ``QPRE``: Q is quantized by its own pre-kernel (:func:`quantize_q`, the same
+float32 ops) into an int8 [B*H, L_pad, D] copy that the tensor cores read from shared memory.
+``ROWSUM_MMA``: the softmax row sum is taken on the tensor cores as ``e4m3(p) @ ones`` (a fresh
+accumulator per key block, added to a float32 running sum), i.e. ``l`` sums the same rounded P that
+multiplies V (needs ``PV_FP8``). ``MAXNREG``: register cap per thread (Triton's ``maxnreg``).
 :func:`tuned_config` picks the configuration when none is given: :data:`HOPPER_CONFIGS` on compute
-capability 9.x, else :data:`DEFAULT_CONFIG` (which needs no TMA, e.g. Ada).
-
-Status (H200, benchmarks/results/bench_attention_int8_h200.md, tuned config, pre-passes included):
-0.78-0.79x of exact (cuDNN) at L = 19 584, 0.77x at 37 632, 0.67-0.69x at 109 000, per-head cosine
-0.99905-0.99912 vs float32 attention. Issue 9's target (<= 0.7x with cos >= 0.999) is met at 109 000
-only. Nsight Compute on the 19 584 kernel: 12 warps per SM, issue slots 50 % busy, tensor pipe 48 %, L2 63 %:
-latency-bound by the one-warpgroup-per-CTA structure (no producer/consumer ping-pong in Triton 3.6).
-SageAttention 2.2's own hand-written Hopper kernel (wgmma, TMA), timed in the same run on the same inputs:
-0.82x at 19 584 and 0.76-0.78x at 37 632 (bench_attention_int8_h200.md, run 12).
-``H3TurboAttention`` offers it as the explicit, approximate ``int8_sage`` backend (``auto`` stays ``exact``).
+capability 9.x, else :data:`DEFAULT_CONFIG` (which needs no TMA, e.g. Ada). Why each option is on or off,
+with the measurements: ``docs/attention.md``.
 
 Under ``TRITON_INTERPRET=1`` (CPU tests) values are rounded to the e4m3/bf16/fp16 grid in fp32 before
 each cast and bf16 dots run in fp32: the interpreter's own casts truncate without mantissa carry and its
 bf16 dot multiplies raw bits. On the GPU the hardware conversions (round to nearest even) are used.
-
-:func:`sage_reference` computes the same quantized math in float64 with torch (block by block, with
-the same running maxima and e4m3 rounding of P) for tests; :class:`Int8SageAttention` is the core
-attention override (the ``int8_sage`` backend) that runs the kernel on supported inputs and hands
-everything else to the ``exact`` override, logging each reason once.
 """
 from __future__ import annotations
 
-import logging
 import math
 import os
-from typing import Callable, Sequence
 
 import torch
 
-from . import attention as _exact
+from ... import state
+from ...errors import NoCapablePathError
 
-log = logging.getLogger("h3_turbo")
-
-try:  # Triton is optional: without it every call falls back to ``exact``
+try:  # Triton is optional: without it the kernels raise NoCapablePathError and int8_sage runs exact
     import triton
     import triton.language as tl
     _TRITON_ERROR = None
@@ -91,7 +72,6 @@ except Exception as _e:  # pragma: no cover - depends on the install
     _TRITON_ERROR = f"{type(_e).__name__}: {_e}"
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
-BACKEND = "int8_sage"
 MAGIC_INT = 0x4B400000          # float bits of 12582912.0 = 2^23 + 2^22
 MAGIC_F = 12582912.0
 LOG2E = 1.4426950408889634
@@ -102,10 +82,9 @@ LOG2_FP8_MAX = math.log2(FP8_MAX)
 DEFAULT_CONFIG = {"BLOCK_M": 64, "BLOCK_N": 128, "num_warps": 4, "num_stages": 3, "MAGIC": True,
                   "PV_FP8": True, "V_MEAN": False, "IMPRECISE": None,
                   "TMA": False, "QPRE": False, "ROWSUM_MMA": False, "MAXNREG": None}
-# Hopper (compute capability 9.x), measured on the H200 (benchmarks/results/bench_attention_int8_h200.md,
-# runs 6-9): (largest key length or None, changes from DEFAULT_CONFIG); the first row that fits is used.
-# 3 CTAs per SM (<= 168 registers, ~76 KB shared memory), K/V through TMA, Q quantized by its
-# pre-kernel (its int8 tile is read by the tensor cores from shared memory), row sums on the tensor cores.
+# Hopper (compute capability 9.x): (largest key length or None, changes from DEFAULT_CONFIG); the first row
+# that fits is used. K/V through TMA, Q quantized by its pre-kernel, row sums on the tensor cores, at most
+# 168 registers per thread (how this row was chosen: docs/attention.md).
 HOPPER_CONFIGS = (
     (None, {"TMA": True, "QPRE": True, "ROWSUM_MMA": True, "num_stages": 2, "MAXNREG": 168}),
 )
@@ -122,7 +101,7 @@ if triton is not None:
         return (x + tl.where(x >= 0, 0.5, -0.5)).to(tl.int8)
 
     # interpreter-only rounding onto the e4m3 / bf16 / fp16 grids (shared with kernels/triton_nvfp4.py)
-    from .triton_interp import rne_bf16 as _rne_bf16, rne_e4m3 as _rne_e4m3, rne_f16 as _rne_f16
+    from ..triton_interp import rne_bf16 as _rne_bf16, rne_e4m3 as _rne_e4m3, rne_f16 as _rne_f16
 
     @triton.jit
     def _bhld_ptrs(X, b, h, offs_l, offs_d, sb, sh, sl, sd):
@@ -258,8 +237,8 @@ if triton is not None:
             p8 = p.to(tl.float8e4nv)
             acc = tl.dot(p8, tl.trans(vt), acc, max_num_imprecise_acc=IMPRECISE)
             if ROWSUM_MMA:     # ones: [16, BLOCK_N] e4m3 pointers (loop-invariant: loaded once)
-                # a fresh accumulator per key block: Hopper's fp8 MMA accumulates with ~14-bit
-                # precision, so the running sum itself stays in float32 registers
+                # a fresh accumulator per key block: the running sum itself stays in float32
+                # registers (docs/attention.md: why not inside the MMA accumulator)
                 l_i += tl.max(tl.dot(p8, tl.trans(tl.load(ones))), 1)
         else:
             if TMA:
@@ -433,18 +412,19 @@ def quantize_kv(k: torch.Tensor, v: torch.Tensor, config: dict | None = None):
     return {"k8": k8, "ks": ks, "vq": vq, "km": km, "vm": vm, "vs": vs, "vinv": vinv, "n_kpad": npad}
 
 
-_ONES: dict = {}
-
-
 def _ones_e4m3(device, block_n: int) -> torch.Tensor:
-    """A cached [16, block_n] e4m3 tensor of ones on ``device`` (the B operand of the ROWSUM_MMA row sum)."""
+    """A cached [16, block_n] e4m3 tensor of ones on ``device`` (the B operand of the ROWSUM_MMA row sum;
+    cache: :data:`h3_turbo.state.ATTENTION_FP8_ONES`)."""
     key = (str(device), block_n)
-    t = _ONES.get(key)
+    ones = state.ATTENTION_FP8_ONES
+    with ones.lock:
+        t = ones.data.get(key)
     if t is None:
         t = torch.ones(16, block_n, device=device).to(torch.float8_e4m3fn)
         capturing = torch.device(device).type == "cuda" and torch.cuda.is_current_stream_capturing()
         if not capturing:   # a tensor made during CUDA-graph capture is only filled on replay: never cache it
-            _ONES[key] = t
+            with ones.lock:
+                ones.data[key] = t
     return t
 
 
@@ -453,7 +433,7 @@ def quantize_q(q: torch.Tensor, qk_scale: float, config: dict | None = None):
     of BLOCK_M rows, rows past L zero; ``qs`` float32 [B*H, L_pad / BLOCK_M] = ``max|q| / 127 * qk_scale``;
     ``L_pad``). The same float32 math as the attention kernel's own quantization."""
     if triton is None:
-        raise RuntimeError(f"attention_int8: triton unavailable ({_TRITON_ERROR})")
+        raise NoCapablePathError(f"attention_int8: triton unavailable ({_TRITON_ERROR})")
     c = _cfg(config)
     if not isinstance(q, torch.Tensor) or q.ndim != 4 or q.shape[-1] not in SUPPORTED_HEAD_DIMS \
             or q.dtype not in SUPPORTED_DTYPES or q.shape[2] < 1:
@@ -478,10 +458,10 @@ def sage_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: flo
     (core's ``skip_output_reshape=False`` layout, written directly). ``out``: optional preallocated
     output of that shape (every element is written). ``config``: launch configuration (changes from
     :data:`DEFAULT_CONFIG`); None = :func:`tuned_config` for q's device and the key length.
-    Raises ValueError on unsupported inputs.
+    Raises ValueError on unsupported inputs, NoCapablePathError without Triton.
     """
     if triton is None:
-        raise RuntimeError(f"attention_int8: triton unavailable ({_TRITON_ERROR})")
+        raise NoCapablePathError(f"attention_int8: triton unavailable ({_TRITON_ERROR})")
     if not all(isinstance(t, torch.Tensor) for t in (q, k, v)):
         raise ValueError(f"attention_int8: q, k, v must be tensors, got {type(q).__name__}, {type(k).__name__}, "
                          f"{type(v).__name__}")
@@ -632,77 +612,3 @@ def sage_reference(q, k, v, scale: float | None = None, config: dict | None = No
     if c["PV_FP8"]:
         out = out * qz["vs"].double()[:, None, :]
     return out + qz["vm"].double()[:, None, :]
-
-
-# ------------------------------------------------------------------------------ override
-
-class Int8SageAttention:
-    """Core attention override ``override(func, q, k, v, heads, **kwargs)`` (see
-    :class:`kernels.attention.ExactAttention` for the contract) running :func:`sage_attention`.
-
-    Handled: q/k/v on a device type in ``devices`` (default ``("cuda",)``), one dtype in bf16/fp16,
-    head dim 64 or 128, no mask, no GQA, ``skip_reshape`` 4-D [B, heads, L, D] or 3-D [B, L, heads*D]
-    inputs, Triton importable. Output as core's: [B, Lq, heads*D] (``skip_output_reshape=False``,
-    written directly by the kernel) or [B, heads, Lq, D]. Everything else goes to ``fallback`` (default:
-    the process-wide ``exact`` override), with one INFO log line per reason; so does a CUDA GPU without
-    FP8 tensor cores (compute capability < 8.9, fp8 P V) and a call whose kernel raises (build failure).
-    ``calls``/``fallbacks``:
-    counters. ``config``: launch configuration (default None: :func:`tuned_config` per call).
-    """
-
-    backend = BACKEND
-
-    def __init__(self, fallback: Callable | None = None, devices: Sequence[str] = ("cuda",),
-                 config: dict | None = None):
-        self.fallback = fallback if fallback is not None else _exact.exact_override()
-        self.devices = tuple(devices)
-        self.config = _cfg(config) if config is not None else None    # None: tuned_config per call
-        self.calls = 0
-        self.fallbacks = 0
-
-    def _fall(self, reason: str, func, args, kwargs):
-        _exact._log_once(("int8_sage", reason), logging.INFO,
-                         "H3 Turbo attention 'int8_sage': %s -> exact attention", reason)
-        self.fallbacks += 1
-        return self.fallback(func, *args, **kwargs)
-
-    def __call__(self, func: Callable, *args, **kwargs):
-        if triton is None:
-            return self._fall(f"triton unavailable ({_TRITON_ERROR})", func, args, kwargs)
-        call = _exact.parse_core_call(args, kwargs, self.devices)
-        if isinstance(call, str):
-            return self._fall(call, func, args, kwargs)
-        q4, k4, v4 = call.q, call.k, call.v
-        if q4.dtype not in SUPPORTED_DTYPES:
-            return self._fall(f"dtype {q4.dtype} (8-bit kernel takes bf16/fp16)", func, args, kwargs)
-        B, H, Lq, D = q4.shape
-        if D not in SUPPORTED_HEAD_DIMS:
-            return self._fall(f"head dim {D} (8-bit kernel takes {SUPPORTED_HEAD_DIMS})", func, args, kwargs)
-        if k4.shape[:2] != (B, H) or v4.shape != k4.shape or k4.shape[-1] != D:
-            return self._fall("q/k/v shapes differ (GQA or mismatched layout)", func, args, kwargs)
-        if Lq < 1 or k4.shape[2] < 1:
-            return self._fall("empty sequence", func, args, kwargs)
-        dev = q4.device
-        c = self.config if self.config is not None else tuned_config(dev, k4.shape[2])
-        if dev.type == "cuda" and c["PV_FP8"] and torch.cuda.get_device_capability(dev) < (8, 9):
-            cap = "%d.%d" % torch.cuda.get_device_capability(dev)
-            return self._fall(f"GPU compute capability {cap} has no FP8 tensor cores", func, args, kwargs)
-        layout = "bhld" if call.skip_output_reshape else "blhd"
-        try:
-            out = sage_attention(q4, k4, v4, scale=call.scale, out_layout=layout, config=c)
-        except Exception as e:   # e.g. a Triton build failure on this GPU/driver: say so once, run exact
-            return self._fall(f"8-bit kernel failed ({type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''})",
-                              func, args, kwargs)
-        self.calls += 1
-        return out
-
-
-_INT8: Int8SageAttention | None = None
-
-
-def int8_override() -> Int8SageAttention:
-    """The process-wide ``int8_sage`` override (falls back to :func:`kernels.attention.exact_override`)."""
-    global _INT8
-    if _INT8 is None:
-        _INT8 = Int8SageAttention()
-    return _INT8

@@ -174,7 +174,7 @@ def torch_dtype(st_dtype: str):
 
 class TensorReader:
     """Reads single tensors of a validated safetensors file with plain positional reads (no mmap), so
-    the process holds only the tensors it keeps: streaming conversion of a 62 GB file needs one tensor
+    the process holds only the tensors it keeps: streaming conversion of a full-size file needs one tensor
     of memory, and no file pages are counted in the process's resident memory.
     """
 

@@ -4,7 +4,7 @@ Per layer ``P``: ``P.weight`` uint8 [N, K/2], ``P.weight_scale`` e4m3 swizzled, 
 fp32 [] = 1 / weight_scale_2; optional ``P.input_global_scale`` (= 1 / input_scale) with ``P.alpha``
 (= input_scale * weight_scale_2), or ``P.input_absmax``. Nibble order as for ModelOpt
 (``__metadata__["nvfp4_nibble_order"]``, else ASSUMED lo_first). Public source: ModelTC/LightX2V
-(``lightx2v/common/ops/mm``); see ``docs/formats.md``.
+``lightx2v/common/ops/mm/mm_weight.py`` (the NVFP4 MM weights); see ``docs/formats.md``.
 
 Conversion computes ``weight_scale_2 = 1 / weight_global_scale`` (and ``input_scale`` likewise) in float64,
 rounded once to fp32; ``alpha`` is dropped after a consistency check (core recomputes it).

@@ -5,7 +5,7 @@ Per layer ``P``: ``P.weight`` uint8 [N, K/2], ``P.weight_scale`` e4m3 [N, K/16] 
 and scale layout are not fixed by the format: ``__metadata__["nvfp4_nibble_order"]`` (hi_first |
 lo_first) and ``["nvfp4_scale_layout"]`` (linear | swizzled) state them; else the scale shapes decide
 the layout when they can, else (lo_first, linear) is ASSUMED and reported. Public source: NVIDIA
-TensorRT-Model-Optimizer ``modelopt/torch/export``; see ``docs/formats.md``.
+TensorRT-Model-Optimizer ``modelopt/torch/export/quant_utils.py``; see ``docs/formats.md``.
 """
 from __future__ import annotations
 

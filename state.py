@@ -158,6 +158,8 @@ _STORES: dict[str, Store] = {}
 
 #: keys already logged by :func:`h3_turbo.logs.log_once`
 LOGGED = KeySet("logged")
+#: E2M1 value tables of :func:`h3_turbo.formats.nvfp4.dequantize`, per (device, dtype)
+NVFP4_LUT = Store("nvfp4_lut")
 
 # Attention backends (``kernels/attention/``): cleared, each is rebuilt on next use (the exact chooser measures
 # its SDPA candidates again; models already patched keep the override object they were given).

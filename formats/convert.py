@@ -1,22 +1,21 @@
 """Convert checkpoints to the ComfyUI-native NVFP4 layout, streaming one tensor (or one layer) at a time.
 
-- ModelOpt / LightX2V / whole-file ``_quantization_metadata`` -> per-layer ``comfy_quant`` (bit-preserving
-  for packed codes and block scales: nibble swap and the "to_blocked" swizzle only move bits;
-  LightX2V's ``weight_global_scale`` becomes ``weight_scale_2 = 1/weight_global_scale`` computed in
-  float64 and rounded once to fp32, ``input_global_scale`` -> ``input_scale`` likewise, ``alpha`` is
-  dropped after a consistency check).
-- BF16/FP16/FP32 -> NVFP4 for the selected layers (default: the 4 x (layers + refiner) block
-  projections), with :func:`h3_turbo.formats.nvfp4.quantize` (= comfy-kitchen's quantizer bit for bit).
+What happens to a layer is its format's business (``det.scheme``, see :mod:`h3_turbo.formats.registry`):
+foreign NVFP4 layouts (ModelOpt, LightX2V, whole-file ``_quantization_metadata``) are re-expressed with
+per-layer ``comfy_quant`` (bit-preserving for packed codes and block scales; LightX2V's reciprocal global
+scales are inverted in float64 and rounded once to fp32); plain BF16/FP16/FP32 files have the selected
+layers (default: the 4 x (layers + refiner) block projections) quantized with
+:func:`h3_turbo.formats.nvfp4.quantize` (= comfy-kitchen's quantizer bit for bit).
 
-:func:`iter_native` yields ``(key, tensor)`` in ComfyUI key names without prefix; peak memory is one
-input layer plus its output. :func:`write_native` writes those pairs to a safetensors file whose header
-is planned from the input header first, so the output is never held in memory either.
+:func:`make_plan` -> :class:`Plan`; :func:`iter_native` yields ``(key, tensor)`` in ComfyUI key names without
+prefix (peak memory: one input layer plus its output); :func:`write_native` writes them to a safetensors
+file whose header is planned from the input header first (:func:`output_plan`), so the output is never held
+in memory either. Damaged or non-H3 input raises :class:`CheckpointError` before anything is produced.
 """
 from __future__ import annotations
 
 import fnmatch
 import json
-import logging
 import math
 import os
 import struct
@@ -25,23 +24,16 @@ from typing import Callable, Iterator
 
 import torch
 
-from . import nvfp4
-from .detect import NEVER_QUANTIZE, Detection, detect
+from ..model_facts import NEVER_QUANTIZE
+from . import registry
+from .detect import Detection, detect
 from .safetensors_io import CheckpointError, open_tensors, read_header
+from .schemes.base import NATIVE_MARKER, NATIVE_SUFFIXES, marker_tensor  # noqa: F401 (re-exported)
 
-log = logging.getLogger("h3_turbo")
-
-NATIVE_MARKER = json.dumps({"format": "nvfp4"}).encode()
 _ST_DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.float64: "F64",
               torch.uint8: "U8", torch.int8: "I8", torch.int16: "I16", torch.int32: "I32", torch.int64: "I64",
               torch.bool: "BOOL", torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2"}
 DROP_METADATA = ("_quantization_metadata", "nvfp4_nibble_order", "nvfp4_scale_layout")
-
-
-def marker_tensor(conf: dict | None = None) -> torch.Tensor:
-    """uint8 bytes of the per-layer JSON (default ``{"format": "nvfp4"}``)."""
-    raw = NATIVE_MARKER if conf is None else json.dumps(conf).encode()
-    return torch.tensor(list(raw), dtype=torch.uint8)
 
 
 @dataclass
@@ -53,6 +45,11 @@ class Plan:
     convert: list[str]             # stems converted from a foreign NVFP4 scheme (or metadata)
     nibble_order: str
     scale_layout: str
+
+    @property
+    def converts(self) -> bool:
+        """True when the file is re-expressed from another layout (not native, not quantized from floats)."""
+        return bool(self.convert) and not self.det.scheme.is_native
 
 
 def select_layers(det: Detection, include: list[str] | None = None, exclude: list[str] | None = None) -> list[str]:
@@ -89,73 +86,11 @@ def make_plan(det: Detection, include=None, exclude=None, nibble_order: str | No
     det.raise_if_errors()
     no = nibble_order or det.nibble_order
     sl = scale_layout or det.scale_layout
-    if det.format in ("bf16", "fp16", "fp32", "mixed-plain"):
+    if det.scheme.is_plain:
         return Plan(det, select_layers(det, include, exclude), [], "hi_first", "swizzled")
     if include or exclude:
         raise CheckpointError(det.path, f"--include/--exclude apply to plain checkpoints; this one is {det.format}")
     return Plan(det, [], list(det.quant_layers), no, sl)
-
-
-def _native_from_foreign(det: Detection, stem: str, get: Callable[[str], torch.Tensor], present: set[str],
-                         nibble_order: str, scale_layout: str) -> dict[str, torch.Tensor]:
-    """One NVFP4 layer in ``det.format`` -> native tensors {suffix: tensor}."""
-    q = det.quant_layers[stem]
-    out: dict[str, torch.Tensor] = {}
-    w = get("weight")
-    if det.format in ("modelopt", "lightx2v") and nibble_order == "lo_first":
-        w = nvfp4.swap_nibbles(w)
-    pn, pk2 = nvfp4.packed_shape(q.n, q.k)
-    if tuple(w.shape) != (pn, pk2):
-        wp = torch.zeros((pn, pk2), dtype=torch.uint8)
-        wp[:w.shape[0], :w.shape[1]] = w
-        w = wp
-    out["weight"] = w.contiguous()
-    bs = get("weight_scale").contiguous()
-    bs = bs.view(torch.uint8) if bs.dtype != torch.uint8 else bs
-    if det.format == "modelopt" and scale_layout == "linear":
-        bs = nvfp4.to_blocked(bs)
-    out["weight_scale"] = bs.view(torch.float8_e4m3fn).contiguous()
-    if det.format == "lightx2v":
-        wg = get("weight_global_scale").double().reshape(())
-        out["weight_scale_2"] = (1.0 / wg).float()
-        ins = None
-        if "input_global_scale" in present:
-            ins = (1.0 / get("input_global_scale").double().reshape(()))
-        elif "input_absmax" in present:
-            ins = get("input_absmax").double().reshape(()) / (nvfp4.F8_E4M3_MAX * nvfp4.F4_E2M1_MAX)
-        if ins is not None:
-            out["input_scale"] = ins.float()
-            if "alpha" in present:
-                a = float(get("alpha").double().reshape(()))
-                want = float(ins) / float(wg)
-                if not math.isclose(a, want, rel_tol=1e-4):
-                    log.warning("%s: %s.alpha = %g but input_scale*weight_scale_2 = %g (alpha dropped; core "
-                                "recomputes it)", det.path, stem, a, want)
-    else:
-        out["weight_scale_2"] = get("weight_scale_2").float().reshape(())
-        if "input_scale" in present:
-            out["input_scale"] = get("input_scale").float().reshape(())
-    if "pre_quant_scale" in present:
-        out["pre_quant_scale"] = get("pre_quant_scale")
-    conf = None
-    if det.format == "comfy_metadata":
-        conf = json.loads(det.metadata["_quantization_metadata"])["layers"].get(stem)
-    if det.format == "comfy_native":
-        out["comfy_quant"] = get("comfy_quant")
-    else:
-        out["comfy_quant"] = marker_tensor(conf)
-    if "bias" in present:
-        out["bias"] = get("bias")
-    return out
-
-
-def _metadata_markers(det: Detection) -> dict[str, dict]:
-    """Whole-file metadata entries of layers in other core formats (fp8, int8...): they get a per-layer
-    ``comfy_quant`` too, since the whole-file metadata is dropped."""
-    if det.format != "comfy_metadata" or not det.other_quant:
-        return {}
-    layers = json.loads(det.metadata["_quantization_metadata"])["layers"]
-    return {s: layers[s] for s in det.other_quant}
 
 
 def iter_native(plan: Plan, progress: Callable[[int, int], None] | None = None,
@@ -178,7 +113,7 @@ def iter_native(plan: Plan, progress: Callable[[int, int], None] | None = None,
         if stem in work:
             stems_suffixes.setdefault(stem, set()).add(suf)
     emitted: set[str] = set()
-    markers = _metadata_markers(det)
+    markers = det.scheme.other_layer_markers(det)
     with open_tensors(det.path, header=hdr) as f:
         for k in keys:
             stem, _, suf = k.rpartition(".")
@@ -186,20 +121,9 @@ def iter_native(plan: Plan, progress: Callable[[int, int], None] | None = None,
                 if stem in emitted:
                     continue
                 emitted.add(stem)
-                if stem in plan.quantize:
-                    w = f.get_tensor(pfx + k if suf == "weight" else pfx + stem + ".weight")
-                    q, bs, s = nvfp4.quantize(w.to(device))
-                    del w
-                    layer = {"weight": q.cpu(), "weight_scale": bs.cpu(), "weight_scale_2": s.cpu(),
-                             "comfy_quant": marker_tensor()}
-                    if "bias" in stems_suffixes[stem]:
-                        layer["bias"] = f.get_tensor(pfx + stem + ".bias")
-                else:
-                    present = stems_suffixes[stem]
-                    layer = _native_from_foreign(det, stem, lambda s_: f.get_tensor(f"{pfx}{stem}.{s_}"), present,
-                                                 plan.nibble_order, plan.scale_layout)
-                for s_ in ("weight", "bias", "weight_scale", "weight_scale_2", "input_scale", "pre_quant_scale",
-                           "comfy_quant"):
+                layer = det.scheme.to_native(plan, stem, lambda s_: f.get_tensor(f"{pfx}{stem}.{s_}"),
+                                             stems_suffixes[stem], device)
+                for s_ in NATIVE_SUFFIXES:
                     if s_ in layer:
                         yield f"{stem}.{s_}", layer[s_]
                 done += 1
@@ -215,7 +139,7 @@ def native_metadata(plan: Plan) -> dict[str, str]:
     """Output ``__metadata__``: the input's (minus whole-file quant metadata) plus provenance."""
     meta = {k: v for k, v in plan.det.metadata.items() if k not in DROP_METADATA}
     meta["h3_turbo_source_format"] = plan.det.format
-    if plan.det.format in ("modelopt", "lightx2v"):
+    if plan.det.scheme.detects_layout:
         meta["h3_turbo_source_nibble_order"] = plan.nibble_order
         meta["h3_turbo_source_scale_layout"] = plan.scale_layout
     if plan.quantize:
@@ -286,7 +210,7 @@ def output_plan(plan: Plan) -> list[tuple[str, str, tuple[int, ...]]]:
     pfx = det.prefix
     T = {k[len(pfx):]: t for k, t in hdr.tensors.items() if k.startswith(pfx)}
     work = set(plan.quantize) | set(plan.convert)
-    markers = _metadata_markers(det)
+    markers = det.scheme.other_layer_markers(det)
     out, seen = [], set()
     for k, t in T.items():
         stem, _, suf = k.rpartition(".")
@@ -298,33 +222,7 @@ def output_plan(plan: Plan) -> list[tuple[str, str, tuple[int, ...]]]:
         if stem in seen:
             continue
         seen.add(stem)
-        if stem in plan.quantize:
-            n, kk = T[f"{stem}.weight"].shape
-            present = {"bias"} if f"{stem}.bias" in T else set()
-            conf_len = len(NATIVE_MARKER)
-            pq = None
-        else:
-            q = det.quant_layers[stem]
-            n, kk = q.n, q.k
-            present = set(q.suffixes)
-            if det.format == "comfy_native":
-                conf_len = T[f"{stem}.comfy_quant"].shape[0]
-            elif det.format == "comfy_metadata":
-                conf_len = len(json.dumps(json.loads(det.metadata["_quantization_metadata"])["layers"][stem]).encode())
-            else:
-                conf_len = len(NATIVE_MARKER)
-            pq = T.get(f"{stem}.pre_quant_scale")
-        out.append((f"{stem}.weight", "U8", nvfp4.packed_shape(n, kk)))
-        if "bias" in present:
-            out.append((f"{stem}.bias", T[f"{stem}.bias"].dtype, T[f"{stem}.bias"].shape))
-        out.append((f"{stem}.weight_scale", "F8_E4M3", nvfp4.scale_shape(n, kk)))
-        out.append((f"{stem}.weight_scale_2", "F32", ()))
-        if "input_scale" in present or (det.format == "lightx2v" and
-                                        ({"input_global_scale", "input_absmax"} & present)):
-            out.append((f"{stem}.input_scale", "F32", ()))
-        if pq is not None:
-            out.append((f"{stem}.pre_quant_scale", pq.dtype, pq.shape))
-        out.append((f"{stem}.comfy_quant", "U8", (conf_len,)))
+        out += det.scheme.native_entries(det, T, stem)
     return out
 
 
@@ -358,40 +256,8 @@ def write_native(in_path: str, out_path: str, include=None, exclude=None, nibble
 
 def native_to_foreign(sd: dict[str, torch.Tensor], fmt: str, nibble_order: str = "lo_first",
                       scale_layout: str = "linear", prefix: str = "") -> dict[str, torch.Tensor]:
-    """Re-express a native state dict in a foreign layout (test fixtures, interop): the inverse of the
-    conversion above for every layer carrying ``comfy_quant``.
-
-    fmt: "modelopt" (``weight_scale`` plain [N, K/16] when ``scale_layout == "linear"``, else swizzled;
-    ``input_scale`` kept) or "lightx2v" (swizzled scales; ``weight_global_scale = 1/weight_scale_2``,
-    and when ``input_scale`` exists ``input_global_scale = 1/input_scale`` and ``alpha``). Nibbles are
-    swapped when ``nibble_order == "lo_first"``. Returns a new dict with ``prefix`` on every key.
-    """
-    stems = [k[:-len(".comfy_quant")] for k in sd if k.endswith(".comfy_quant")]
-    out: dict[str, torch.Tensor] = {}
-    skip = set()
-    for s in stems:
-        w = sd[f"{s}.weight"]
-        n, k = w.shape[0], w.shape[1] * 2
-        skip |= {f"{s}.{x}" for x in ("weight", "weight_scale", "weight_scale_2", "input_scale", "comfy_quant")}
-        out[f"{s}.weight"] = nvfp4.swap_nibbles(w) if nibble_order == "lo_first" else w.clone()
-        bs = sd[f"{s}.weight_scale"].view(torch.uint8)
-        if fmt == "modelopt" and scale_layout == "linear":
-            bs = nvfp4.from_blocked(bs, n, k // 16).contiguous()
-        out[f"{s}.weight_scale"] = bs.view(torch.float8_e4m3fn).clone()
-        ws2 = sd[f"{s}.weight_scale_2"].float().reshape(())
-        ins = sd.get(f"{s}.input_scale")
-        if fmt == "modelopt":
-            out[f"{s}.weight_scale_2"] = ws2.clone()
-            if ins is not None:
-                out[f"{s}.input_scale"] = ins.float().reshape(()).clone()
-        elif fmt == "lightx2v":
-            out[f"{s}.weight_global_scale"] = (1.0 / ws2.double()).float()
-            if ins is not None:
-                out[f"{s}.input_global_scale"] = (1.0 / ins.double()).float().reshape(())
-                out[f"{s}.alpha"] = (ins.double() * ws2.double()).float().reshape(())
-        else:
-            raise ValueError(f"unknown foreign format {fmt!r}")
-    for k, v in sd.items():
-        if k not in skip:
-            out[k] = v
+    """A native state dict re-expressed in format ``fmt`` (test fixtures, interop): the tensors of
+    ``registry.get(fmt).from_native(sd, nibble_order=..., scale_layout=...)`` with ``prefix`` on every key
+    (its metadata is dropped; call ``from_native`` for it). ValueError for an unknown ``fmt``."""
+    out, _ = registry.get(fmt).from_native(sd, nibble_order=nibble_order, scale_layout=scale_layout)
     return {prefix + k: v for k, v in out.items()}

@@ -1,27 +1,16 @@
-"""Detect what a checkpoint is, from its safetensors header (keys, dtypes, shapes, metadata), never its name.
+"""Detect what a checkpoint is from its safetensors header (keys, dtypes, shapes, metadata), never its name.
 
-:func:`detect` returns a :class:`Detection`: the model family (MiniMax H3, or what the file looks like
-instead), the weight format, the key prefix, the H3 sizes read from the shapes, one record per
-quantized layer and every validation finding. It reads tensor data only for tiny tensors (per-layer
-``comfy_quant`` JSON and scalar scales, at most :data:`SMALL_NUMEL` elements each); block scales are
-checked by :func:`check_block_scales`.
+:func:`detect` (a :class:`Header` from :func:`~h3_turbo.formats.safetensors_io.read_header`) returns a
+:class:`Detection`: the model family (MiniMax H3, or what the file looks like instead), the format and the
+scheme object that claimed it (:mod:`h3_turbo.formats.registry`), the key prefix, the H3 sizes read from
+the shapes, one :class:`QuantLayer` per NVFP4 layer and every validation finding. It never raises for
+content problems (they become findings; ``Detection.raise_if_errors()`` raises one
+:class:`CheckpointError`), only when the file cannot be read. It reads tensor data only for tiny tensors
+(per-layer ``comfy_quant`` JSON and scalar scales, at most :data:`SMALL_NUMEL` elements each); block
+scales are checked by :func:`check_block_scales`.
 
-Formats (H3_FACTS §3; research/comfyui-h3.md §4.2):
-
-- ``comfy_native``: per layer ``P.weight`` uint8 [N,K/2] (hi-first nibbles), ``P.weight_scale`` e4m3
-  swizzled [roundup(N,128), roundup(K/16,4)], ``P.weight_scale_2`` fp32 [], optional ``input_scale``,
-  ``pre_quant_scale`` [K], and ``P.comfy_quant`` = uint8 JSON ``{"format": "nvfp4"}``.
-- ``comfy_metadata``: the same tensors without ``comfy_quant``; ``__metadata__["_quantization_metadata"]``
-  = ``{"format_version": "1.0", "layers": {P: {"format": "nvfp4"}}}``.
-- ``modelopt`` (NVIDIA ModelOpt export, layout inferred): ``weight`` uint8 [N,K/2], ``weight_scale`` e4m3
-  [N,K/16] (plain) or swizzled, ``weight_scale_2`` fp32, ``input_scale`` fp32, optional
-  ``pre_quant_scale`` [K]. Nibble order and scale layout are not confirmed for real files: read from
-  metadata (``nvfp4_nibble_order`` = hi_first|lo_first, ``nvfp4_scale_layout`` = linear|swizzled),
-  else the scale shapes decide the layout when they can, else assumed (lo_first, linear) and reported.
-- ``lightx2v``: ``weight`` uint8, ``weight_scale`` e4m3 swizzled, ``weight_global_scale`` fp32 =
-  1/weight_scale_2, optional ``input_global_scale`` (= 1/input_scale) with ``alpha``
-  (= input_scale * weight_scale_2). Nibble order as for ModelOpt (metadata, else assumed lo_first).
-- ``bf16`` / ``fp16`` / ``fp32``: plain checkpoints (the dtype of the block projections).
+The formats and how detection decides between them: ``docs/formats.md``; each format's layout is in its
+module under ``formats/schemes/``. Adding one: ``docs/EXTENDING-formats.md``.
 """
 from __future__ import annotations
 
@@ -31,23 +20,13 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..model_facts import FP32_ISLAND, KEY_PREFIXES, NEVER_QUANTIZE, PROJECTIONS  # noqa: F401 (re-exported)
+from . import registry
 from .nvfp4 import roundup
 from .safetensors_io import CheckpointError, Header, TensorInfo, open_tensors
-
-PROJECTIONS = ("attn.qkv_proj", "attn.out_proj", "mlp.fc1", "mlp.fc2")
-KEY_PREFIXES = ("model.diffusion_model.", "diffusion_model.")
-SMALL_NUMEL = 4096
-FLOAT_DTYPES = ("F32", "BF16", "F16", "F64")
-SCALE_DTYPES = ("F8_E4M3", "U8")
-QUANT_SUFFIXES = ("weight_scale", "weight_scale_2", "input_scale", "pre_quant_scale", "comfy_quant",
-                  "weight_global_scale", "input_global_scale", "alpha", "input_absmax")
-# Formats core's QUANT_ALGOS knows (comfy/quant_ops.py, 2026-08); only nvfp4 is validated in depth.
-CORE_QUANT_FORMATS = ("float8_e4m3fn", "float8_e5m2", "nvfp4", "mxfp8", "int8_tensorwise",
-                      "convrot_w4a4", "asym_w4a8_int8", "awq_w4a16")
-# Layers whose K is read by core's detector or that core keeps in fp32 (must stay unquantized).
-NEVER_QUANTIZE = ("condition_proj", "time_embedder.proj_in", "time_embedder.proj_out")
-FP32_ISLAND = ("video_patch_proj", "audio_patch_proj", "time_embedder.proj_in", "time_embedder.proj_out",
-               "final_layer.video_out", "final_layer.audio_out")
+from .schemes.base import (CORE_QUANT_FORMATS, FLOAT_DTYPES, QUANT_SUFFIXES, SCALE_DTYPES,  # noqa: F401
+                           SMALL_NUMEL, Evidence, HeaderView, QuantLayer, Scheme)
+from .schemes.plain import UNCLAIMED
 
 
 @dataclass
@@ -96,24 +75,16 @@ class H3Config:
 
 
 @dataclass
-class QuantLayer:
-    """One NVFP4 layer. n, k: logical [out, in]. suffixes: the key suffixes present for the stem."""
-
-    stem: str
-    scheme: str
-    n: int
-    k: int
-    suffixes: tuple[str, ...]
-    scale_layout: str = "swizzled"
-    packed_bytes: int = 0
-
-
-@dataclass
 class Detection:
+    """What :func:`detect` found. ``format`` is ``scheme.name`` (comfy_native | comfy_metadata | modelopt |
+    lightx2v | bf16 | fp16 | fp32 | mixed-plain, or unknown when no scheme claims the file); ``scheme`` is the
+    :class:`~h3_turbo.formats.schemes.base.Scheme` object (``is_native``, ``is_plain``) and ``evidence``
+    why it claimed the file (None for unknown)."""
+
     path: str
     model: str                   # "h3" or "not-h3"
     looks_like: str              # human description ("MiniMax H3", "Wan 2.x", "Flux", "unknown ...")
-    format: str                  # comfy_native | comfy_metadata | modelopt | lightx2v | bf16 | fp16 | fp32 | mixed-plain | unknown
+    format: str                  # the scheme's name (see above)
     prefix: str
     config: H3Config | None
     quant_layers: dict[str, QuantLayer] = field(default_factory=dict)
@@ -127,6 +98,13 @@ class Detection:
     projection_dtypes: dict[str, int] = field(default_factory=dict)
     metadata: dict[str, str] = field(default_factory=dict)
     other_quant: set = field(default_factory=set)   # stems quantized in a non-nvfp4 core format
+    scheme: Scheme = UNCLAIMED
+    evidence: Evidence | None = None
+
+    @property
+    def is_native(self) -> bool:
+        """True when the file is already ComfyUI's native per-layer layout (loading converts nothing)."""
+        return self.scheme.is_native
 
     @property
     def errors(self) -> list[Finding]:
@@ -201,26 +179,10 @@ def _looks_like(keys: set[str]) -> str:
     return "unknown (no video_patch_proj/audio_patch_proj: not MiniMax H3)"
 
 
-def _strip_prefix(names: list[str]) -> str:
-    for p in KEY_PREFIXES:
-        if f"{p}video_patch_proj.weight" in names:
-            return p
-    for p in KEY_PREFIXES:
-        if sum(1 for n in names if n.startswith(p)) > len(names) // 2:
-            return p
-    return ""
-
-
 def _count_blocks(keys: set[str], pfx: str) -> tuple[int, list[int]]:
     r = re.compile(r"^" + re.escape(pfx) + r"(\d+)\.")
     idx = sorted({int(m.group(1)) for k in keys if (m := r.match(k))})
     return len(idx), idx
-
-
-def _split(key: str) -> tuple[str, str]:
-    """stem, suffix for a parameter key (``a.b.weight_scale`` -> ``a.b``, ``weight_scale``)."""
-    stem, _, suf = key.rpartition(".")
-    return stem, suf
 
 
 def detect(header: Header, read_small: bool = True) -> Detection:
@@ -228,182 +190,53 @@ def detect(header: Header, read_small: bool = True) -> Detection:
 
     read_small: read ``comfy_quant`` JSON and scalar scales from the file (tiny reads) to check that
     they parse, are finite and positive. Never raises for content problems: they become findings
-    (``Detection.raise_if_errors()`` turns errors into one :class:`CheckpointError`).
+    (``Detection.raise_if_errors()`` turns errors into one :class:`CheckpointError`); raises
+    :class:`CheckpointError` only when those tiny tensors cannot be read.
     """
-    names = list(header.tensors)
-    prefix = _strip_prefix(names)
-    T: dict[str, TensorInfo] = {}
-    outside = []
-    for n in names:
-        if prefix and not n.startswith(prefix):
-            outside.append(n)
-            continue
-        T[n[len(prefix):]] = header.tensors[n]
-    keys = set(T)
+    view = HeaderView.of(header)
+    prefix = view.prefix
     det = Detection(path=header.path, model="not-h3", looks_like="", format="unknown", prefix=prefix,
                     config=None, metadata=dict(header.metadata))
     for t in header.tensors.values():
         det.dtype_counts[t.dtype] = det.dtype_counts.get(t.dtype, 0) + 1
         det.param_bytes += t.nbytes
-    if outside:
-        det.warn(f"{len(outside)} tensors outside the '{prefix}' prefix are ignored (e.g. {outside[0]})")
+    if view.outside:
+        det.warn(f"{len(view.outside)} tensors outside the '{prefix}' prefix are ignored (e.g. {view.outside[0]})")
 
+    keys = set(view.tensors)
     if not ({"video_patch_proj.weight", "audio_patch_proj.weight"} <= keys):
         det.looks_like = _looks_like(keys)
         det.error(f"not a MiniMax H3 diffusion model: looks like {det.looks_like}")
         return det
     det.model, det.looks_like = "h3", "MiniMax H3"
-
-    small: dict[str, object] = {}
     if read_small:
-        want = [k for k, t in T.items() if t.numel <= SMALL_NUMEL and _split(k)[1] in QUANT_SUFFIXES
-                and _split(k)[1] not in ("pre_quant_scale",)]
-        if want:
-            try:
-                with open_tensors(header.path, header=header) as f:
-                    for k in want:
-                        small[k] = f.get_tensor(prefix + k)
-            except Exception as e:  # container already validated; anything here is a real read error
-                raise CheckpointError(header.path, f"cannot read small tensors: {e}") from None
+        view.read_small(header)
 
-    _detect_format(det, T, small)
-    cfg = _detect_config(det, T)
+    _identify(det, view)
+    det.scheme.detect_layers(det, view)
+    cfg = _detect_config(det, view.tensors)
     det.config = cfg
     if cfg is not None:
-        _validate_blocks(det, T, cfg)
+        _validate_blocks(det, view.tensors, cfg)
         _validate_metadata_config(det, cfg)
-    _validate_quant_layers(det, T, small)
+    det.scheme.validate(det, view)
     return det
 
 
-# ----------------------------------------------------------------------------- format
-
-def _detect_format(det: Detection, T: dict[str, TensorInfo], small: dict) -> None:
-    keys = set(T)
-    suf_of = {}
-    for k in keys:
-        stem, suf = _split(k)
-        suf_of.setdefault(stem, set()).add(suf)
-    native = {s for s, ss in suf_of.items() if "comfy_quant" in ss}
-    lx = {s for s, ss in suf_of.items() if "weight_global_scale" in ss}
-    mo = {s for s, ss in suf_of.items() if "weight_scale_2" in ss or
-          ("weight_scale" in ss and "weight" in ss and T[f"{s}.weight"].dtype == "U8")}
-    qmeta = det.metadata.get("_quantization_metadata")
-    meta_layers: dict = {}
-    if qmeta is not None:
-        try:
-            meta_layers = json.loads(qmeta).get("layers", {})
-            if not isinstance(meta_layers, dict):
-                raise ValueError("'layers' is not an object")
-        except (ValueError, AttributeError) as e:
-            det.error(f"__metadata__['_quantization_metadata'] is not valid JSON with a 'layers' object ({e})",
-                      "__metadata__")
-            meta_layers = {}
-
-    schemes = []
-    if native:
-        schemes.append("comfy_native")
-    if meta_layers:
-        schemes.append("comfy_metadata")
-    if lx:
-        schemes.append("lightx2v")
-    if mo - native - lx - set(meta_layers):
-        schemes.append("modelopt")
-    if len(schemes) > 1:
-        det.error(f"mixed quantization schemes in one file: {', '.join(schemes)}; convert it with one tool")
-    if schemes:
-        det.format = schemes[0]
-    else:
-        dts: dict[str, int] = {}
-        for k, t in T.items():
-            if re.match(r"^(blocks|token_refiner\.blocks)\.\d+\.(attn\.(qkv|out)_proj|mlp\.fc[12])\.weight$", k):
-                dts[t.dtype] = dts.get(t.dtype, 0) + 1
-        det.projection_dtypes = dts
-        name = {"BF16": "bf16", "F16": "fp16", "F32": "fp32"}
-        if len(dts) == 1 and next(iter(dts)) in name:
-            det.format = name[next(iter(dts))]
-        elif dts and all(d in name for d in dts):
-            det.format = "mixed-plain"
-        elif dts:
-            det.format = "unknown"
-            det.error(f"block projections stored as {sorted(dts)} without quantization markers "
-                      "(no comfy_quant / _quantization_metadata / weight_scale_2): cannot tell the format")
-        return
-
-    # the set of quantized stems and their scheme
-    stems = {"comfy_native": native, "comfy_metadata": set(meta_layers), "lightx2v": lx,
-             "modelopt": mo - native - lx - set(meta_layers)}[det.format]
-    for s in sorted(stems):
-        fmt = None
-        if det.format == "comfy_native":
-            ck = small.get(f"{s}.comfy_quant")
-            if ck is None:
-                det.error("comfy_quant is not a small uint8 tensor", f"{s}.comfy_quant")
-                continue
-            try:
-                conf = json.loads(bytes(ck.to("cpu").view(-1).tolist()).decode("utf-8"))
-                fmt = conf.get("format")
-            except Exception as e:
-                det.error(f"comfy_quant is not UTF-8 JSON ({e})", f"{s}.comfy_quant")
-                continue
-        elif det.format == "comfy_metadata":
-            conf = meta_layers.get(s)
-            fmt = conf.get("format") if isinstance(conf, dict) else None
-        else:
-            fmt = "nvfp4"
-        if fmt != "nvfp4":
-            if fmt in CORE_QUANT_FORMATS:
-                det.warn(f"layer is quantized as {fmt!r} (core loads it; this pack only validates nvfp4)", s)
-                det.other_quant.add(s)
-            else:
-                det.error(f"unknown quantization format {fmt!r} (expected nvfp4)", s)
-            continue
-        if f"{s}.weight" not in T:
-            det.error("quantized layer has no weight tensor", f"{s}.weight")
-            continue
-        w = T[f"{s}.weight"]
-        if w.dtype != "U8" or len(w.shape) != 2:
-            det.error(f"NVFP4 weight is {w.dtype} {list(w.shape)} (expected uint8 [N, K/2])", f"{s}.weight")
-            continue
-        det.quant_layers[s] = QuantLayer(s, det.format, w.shape[0], w.shape[1] * 2,
-                                         tuple(sorted(suf_of.get(s, ()))))
-    # nibble order and scale layout
-    if det.format in ("modelopt", "lightx2v"):
-        no = det.metadata.get("nvfp4_nibble_order")
-        if no in ("hi_first", "lo_first"):
-            det.nibble_order, det.nibble_order_source = no, "metadata"
-        else:
-            det.nibble_order, det.nibble_order_source = "lo_first", "assumed"
-            det.warn(f"{det.format}: nibble order not stated in metadata; ASSUMED lo_first (element 2j in the low "
-                     "nibble, the NVIDIA/PyTorch float4_e2m1fn_x2 convention). If images are garbage, re-convert with "
-                     "`python -m h3_turbo.tools convert IN OUT --nibble-order hi_first`")
-    if det.format == "modelopt":
-        sl = det.metadata.get("nvfp4_scale_layout")
-        if sl in ("linear", "swizzled"):
-            det.scale_layout, det.scale_layout_source = sl, "metadata"
-        else:
-            votes = set()
-            for s, q in det.quant_layers.items():
-                t = T.get(f"{s}.weight_scale")
-                if t is None or len(t.shape) != 2:
-                    continue
-                lin = (q.n, q.k // 16)
-                swz = (roundup(q.n, 128), roundup(q.k // 16, 4))
-                if lin != swz:
-                    if tuple(t.shape) == lin:
-                        votes.add("linear")
-                    elif tuple(t.shape) == swz:
-                        votes.add("swizzled")
-            if len(votes) == 1:
-                det.scale_layout, det.scale_layout_source = votes.pop(), "shapes"
-            elif len(votes) > 1:
-                det.error("modelopt: block-scale shapes disagree between layers (some plain [N,K/16], some swizzled)")
-            else:
-                det.scale_layout, det.scale_layout_source = "linear", "assumed"
-                det.warn("modelopt: block-scale layout cannot be told from the shapes or metadata; ASSUMED plain "
-                         "[N, K/16] (ModelOpt export). Override with `convert --scale-layout swizzled`")
-    for q in det.quant_layers.values():
-        q.scale_layout = det.scale_layout
+def _identify(det: Detection, view: HeaderView) -> None:
+    """Ask the registry which scheme owns the file. Several claiming is an error finding (the message names
+    each scheme and its evidence); validation then goes on with the first of them in registry order."""
+    mixed = None
+    try:
+        det.scheme, det.evidence = registry.identify(view)
+    except CheckpointError as e:
+        mixed = e
+        det.scheme, det.evidence = e.claims[0]
+    for msg, key in view.problems:
+        det.error(msg, key)
+    if mixed is not None:
+        det.error(mixed.cause)
+    det.format = det.scheme.name
 
 
 # ----------------------------------------------------------------------------- config
@@ -480,7 +313,8 @@ def _detect_config(det: Detection, T: dict[str, TensorInfo]) -> H3Config | None:
 
 # core's MiniMaxH3Model constructor args that core's detector reads from the shapes, and the H3Config field
 # holding the shape-derived value. core merges __metadata__["config"]["transformer"] over the detected
-# values (comfyui-h3.md §2.1), so a disagreeing override builds a model the weights do not fit.
+# values (ComfyUI comfy/model_detection.py, detect_unet_config; docs/h3-facts.md), so a disagreeing
+# override builds a model the weights do not fit.
 SHAPE_CONFIG_KEYS = {"hidden_size": "hidden", "num_layers": "layers", "token_refiner_num_layers": "refiner_layers",
                      "num_attention_heads": "heads", "attention_head_dim": "head_dim", "ffn_hidden_size": "ffn",
                      "text_dim": "text_dim", "latents_dim": "latents_dim", "audio_latents_dim": "audio_latents_dim"}
@@ -555,95 +389,6 @@ def _validate_blocks(det: Detection, T: dict[str, TensorInfo], cfg: H3Config) ->
         m = rx.match(k)
         if m and m.group(4) not in allowed:
             det.error("unexpected key on a bias-free block projection", k)
-
-
-# ----------------------------------------------------------------------------- quant layers
-
-def _scalar_ok(det, T, small, key, what, positive=True) -> float | None:
-    t = T.get(key)
-    if t is None:
-        return None
-    if t.numel != 1 or t.dtype not in FLOAT_DTYPES:
-        det.error(f"{what} is {t.dtype} {list(t.shape)}", key)
-        det.findings[-1].message += " (expected one fp32 value, shape [] )"
-        return None
-    v = small.get(key)
-    if v is None:
-        return None
-    v = float(v.float().reshape(-1)[0])
-    if not (v == v and abs(v) != float("inf")):
-        det.error(f"{what} is {v} (expected a finite positive number)", key)
-    elif positive and v <= 0:
-        det.error(f"{what} is {v} (expected > 0)", key)
-    return v
-
-
-def _validate_quant_layers(det: Detection, T: dict[str, TensorInfo], small: dict) -> None:
-    fmt = det.format
-    need_by_fmt = {
-        "comfy_native": ({"weight", "weight_scale", "weight_scale_2", "comfy_quant"},
-                         {"input_scale", "pre_quant_scale"}),
-        "comfy_metadata": ({"weight", "weight_scale", "weight_scale_2"}, {"input_scale", "pre_quant_scale"}),
-        "modelopt": ({"weight", "weight_scale", "weight_scale_2"}, {"input_scale", "pre_quant_scale"}),
-        "lightx2v": ({"weight", "weight_scale", "weight_global_scale"},
-                     {"input_global_scale", "alpha", "input_absmax"}),
-    }
-    if fmt not in need_by_fmt:
-        # plain file: any quant-looking key is an orphan
-        for k in T:
-            stem, suf = _split(k)
-            if suf in QUANT_SUFFIXES and suf != "alpha":
-                det.error(f"quantization key in a plain {fmt} checkpoint (no layer is marked quantized)", k)
-        return
-    req, opt = need_by_fmt[fmt]
-    quant_stems = set(det.quant_layers)
-    for k in T:
-        stem, suf = _split(k)
-        if suf in QUANT_SUFFIXES and stem not in quant_stems and stem not in det.other_quant:
-            if suf == "alpha" and fmt != "lightx2v":
-                continue
-            det.error(f"orphan quantization key: layer '{stem}' is not marked NVFP4 ({fmt})", k)
-    for s, q in det.quant_layers.items():
-        present = set(q.suffixes)
-        for miss in sorted(req - present):
-            det.error(f"missing {miss} for an NVFP4 layer ({fmt})", f"{s}.{miss}")
-        for extra in sorted(present - req - opt - {"bias"}):
-            det.error(f"extra key for an NVFP4 layer in {fmt} format", f"{s}.{extra}")
-        w = T[f"{s}.weight"]
-        # block scales
-        st = T.get(f"{s}.weight_scale")
-        if st is not None:
-            if st.dtype not in SCALE_DTYPES:
-                det.error(f"block scales are {st.dtype} (expected F8_E4M3, or U8 bytes of e4m3)", f"{s}.weight_scale")
-            pn, pk = w.shape[0], w.shape[1] * 2
-            swz = (roundup(pn, 128), roundup(pk // 16, 4))
-            lin = (q.n, roundup(q.k, 16) // 16)
-            want = lin if q.scale_layout == "linear" else swz
-            if tuple(st.shape) != want:
-                det.error(f"block-scale shape {list(st.shape)} (expected {list(want)}: "
-                          f"{'plain [N, K/16]' if q.scale_layout == 'linear' else 'swizzled [roundup(N,128), roundup(K/16,4)]'}"
-                          f" for weight {list(w.shape)})", f"{s}.weight_scale")
-            q.packed_bytes = w.nbytes + (roundup(pn, 128) * roundup(pk // 16, 4))
-        else:
-            q.packed_bytes = w.nbytes
-        q.packed_bytes += 4 + 19  # weight_scale_2 + the comfy_quant JSON core keeps ({"format": "nvfp4"})
-        if f"{s}.input_scale" in T:
-            q.packed_bytes += 4
-        pq = T.get(f"{s}.pre_quant_scale")
-        if pq is not None:
-            if pq.dtype not in FLOAT_DTYPES or pq.shape != (q.k,):
-                det.error(f"pre_quant_scale is {pq.dtype} {list(pq.shape)} (expected float [{q.k}])", f"{s}.pre_quant_scale")
-            q.packed_bytes += pq.nbytes
-        if fmt == "lightx2v":
-            _scalar_ok(det, T, small, f"{s}.weight_global_scale", "weight_global_scale")
-            _scalar_ok(det, T, small, f"{s}.input_global_scale", "input_global_scale")
-            _scalar_ok(det, T, small, f"{s}.alpha", "alpha")
-            _scalar_ok(det, T, small, f"{s}.input_absmax", "input_absmax")
-            if "alpha" in present and "input_global_scale" not in present:
-                det.error("alpha without input_global_scale", f"{s}.alpha")
-        else:
-            _scalar_ok(det, T, small, f"{s}.weight_scale_2", "weight_scale_2")
-            _scalar_ok(det, T, small, f"{s}.input_scale", "input_scale")
 
 
 def check_block_scales(path: str, det: Detection, max_report: int = 8) -> list[Finding]:

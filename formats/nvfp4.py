@@ -1,7 +1,7 @@
 """NVFP4 (E2M1 codes + e4m3 block scales per 16 + fp32 tensor scale) in pure torch.
 
-The ComfyUI-native layout (H3_FACTS §3; comfy-kitchen 0.2.31 ``TensorCoreNVFP4Layout``) for a logical
-weight W [N, K]:
+The ComfyUI-native layout (comfy-kitchen 0.2.31 ``TensorCoreNVFP4Layout``, github.com/Comfy-Org/comfy-kitchen;
+``docs/h3-facts.md``, ``docs/formats.md``) for a logical weight W [N, K]:
 
 - ``qdata`` uint8 [roundup(N,16), roundup(K,16)/2]: two 4-bit E2M1 codes per byte, element 2j in the
   HIGH nibble ("hi_first"), 2j+1 in the low nibble. Code bit 3 is the sign, bits 0-2 index
@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import torch
 
+from .. import state
+
 F4_E2M1_MAX = 6.0
 F8_E4M3_MAX = 448.0
 BLOCK = 16
@@ -29,7 +31,6 @@ BLOCK = 16
 #: E2M1 values by 4-bit code (bit 3 = sign). Codes 8 is -0.0.
 E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0,
                -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
-_LUT_CACHE: dict = {}
 
 
 def roundup(x: int, m: int) -> int:
@@ -108,11 +109,13 @@ def from_blocked(blocked: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
 # ----------------------------------------------------------------------------- E2M1
 
 def _lut(device, dtype) -> torch.Tensor:
+    """The 16 E2M1 values as a ``dtype`` tensor on ``device``, built once per (device, dtype) and kept in
+    ``state.NVFP4_LUT`` (``state.clear_all()`` drops them)."""
     key = (device, dtype)
-    t = _LUT_CACHE.get(key)
-    if t is None:
-        t = torch.tensor(E2M1_VALUES, dtype=dtype, device=device)
-        _LUT_CACHE[key] = t
+    with state.NVFP4_LUT.lock:
+        t = state.NVFP4_LUT.data.get(key)
+        if t is None:
+            t = state.NVFP4_LUT.data[key] = torch.tensor(E2M1_VALUES, dtype=dtype, device=device)
     return t
 
 

@@ -6,8 +6,8 @@ header length ``n``, then ``n`` bytes of UTF-8 JSON ``{name: {"dtype", "shape", 
 start of the data buffer (byte ``8 + n``); tensors tile the buffer exactly (no gaps, no overlap,
 nothing after the last tensor).
 
-Every problem raises :class:`CheckpointError`, whose message names the file, the key (when there is
-one), the cause and the expected value.
+Every problem raises :class:`CheckpointError` (the pack's one class, :mod:`h3_turbo.errors`, re-exported
+here), whose message names the file, the key (when there is one), the cause and the expected value.
 """
 from __future__ import annotations
 
@@ -17,6 +17,8 @@ import os
 import struct
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+
+from ..errors import CheckpointError  # noqa: F401 (re-exported: formats.safetensors_io.CheckpointError)
 
 # Bytes per element of every safetensors dtype string (F4 / F6 sub-byte types are not supported).
 DTYPE_BYTES: dict[str, int] = {
@@ -28,29 +30,6 @@ DTYPE_BYTES: dict[str, int] = {
 
 MAX_HEADER_BYTES = 100 * 1024 * 1024  # the safetensors library's own limit
 LFS_PREFIX = b"version https://git-lfs"
-
-
-class CheckpointError(ValueError):
-    """A checkpoint file is damaged or not what the loader needs.
-
-    Attributes: ``path`` (str), ``key`` (tensor or metadata key, or None), ``cause`` (str),
-    ``expected`` (str or None). ``str(err)`` is ``"<path>: <key>: <cause> (expected <expected>)"``.
-    """
-
-    def __init__(self, path: str, cause: str, key: str | None = None, expected: str | None = None):
-        self.path, self.key, self.cause, self.expected = str(path), key, cause, expected
-        msg = f"{self.path}: "
-        if key is not None:
-            msg += f"tensor '{key}': "
-        msg += cause
-        if expected is not None:
-            msg += f" (expected {expected})"
-        super().__init__(msg)
-
-
-# ComfyUI shows errors as '<module>.<class>: message'; the pack's module path depends on the folder
-# it was installed in, so name the class by the package.
-CheckpointError.__module__ = "h3_turbo"
 
 
 @dataclass(frozen=True)
@@ -195,7 +174,7 @@ def torch_dtype(st_dtype: str):
 
 class TensorReader:
     """Reads single tensors of a validated safetensors file with plain positional reads (no mmap), so
-    the process holds only the tensors it keeps: streaming conversion of a 62 GB file needs one tensor
+    the process holds only the tensors it keeps: streaming conversion of a full-size file needs one tensor
     of memory, and no file pages are counted in the process's resident memory.
     """
 

@@ -10,9 +10,9 @@
 The tiny model keeps the real depth (50 DiT blocks + 2 refiner blocks, so an adapter has the official
 208 targets = 624 tensors) and the real latent sizes (video 24 channels, audio 32), with a narrow
 width (hidden 64, 2 heads x 32, FFN 128, text_dim 48). ComfyUI's own ``detect_unet_config`` detects
-it as ``minimax_h3`` (sizes are read from the shapes; see research/comfyui-h3.md "Tiny config").
+it as ``minimax_h3`` (sizes are read from the shapes: ComfyUI ``comfy/model_detection.py``).
 
-Layouts (H3_FACTS §1, §3, §4):
+Layouts (``docs/h3-facts.md``; NVFP4 formats: ``docs/formats.md``):
 - block projections ``blocks.{i}.attn.qkv_proj.weight`` [3*heads*hd, H] (rows Q|K|V),
   ``attn.out_proj`` [H, heads*hd], ``mlp.fc1`` [2*FFN, H] (rows gate|up), ``mlp.fc2`` [H, FFN];
 - LoRA: ``diffusion_model.<target>.lora_A.weight`` bf16 [r, in], ``.lora_B.weight`` bf16 [out, r],
@@ -27,9 +27,10 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-PROJECTIONS = ("attn.qkv_proj", "attn.out_proj", "mlp.fc1", "mlp.fc2")
-FP32_ISLAND_PREFIXES = ("video_patch_proj.", "audio_patch_proj.", "time_embedder.",
-                        "final_layer.video_out.", "final_layer.audio_out.")
+from ..model_facts import FP32_ISLAND, PROJECTIONS
+
+#: key prefixes of the tensors kept in fp32 (the fp32 island of ``model_facts``)
+FP32_ISLAND_PREFIXES = tuple(f"{m}." for m in FP32_ISLAND)
 
 
 @dataclass(frozen=True)
@@ -138,7 +139,7 @@ def nvfp4_quantize_state_dict(sd: dict[str, torch.Tensor], cfg: TinyH3Config = T
     """ComfyUI-native NVFP4 of the 208 block projections, made with comfy-kitchen's quantizer.
 
     Per projection ``P``: ``P.weight`` uint8 [N, K/2], ``P.weight_scale`` float8_e4m3fn (swizzled),
-    ``P.weight_scale_2`` fp32 [], ``P.comfy_quant`` uint8 JSON ``{"format": "nvfp4"}`` (H3_FACTS §3).
+    ``P.weight_scale_2`` fp32 [], ``P.comfy_quant`` uint8 JSON ``{"format": "nvfp4"}`` (``docs/formats.md``).
     Raises ImportError when comfy-kitchen is not installed.
     """
     from comfy_kitchen.tensor import TensorCoreNVFP4Layout  # comfy-kitchen 0.2.31
@@ -163,7 +164,7 @@ def make_turbo_lora(sd_model: dict[str, torch.Tensor], cfg: TinyH3Config = TinyH
     """A tiny Turbo LoRA in the official Comfy layout: 208 targets x (A, B, alpha) = 624 tensors.
 
     qkv: A = cat(A_q; A_k; A_v) [3r, in], B = block_diag(B_q, B_k, B_v) [3*inner, 3r], alpha = 3*alpha.
-    Returns ``(tensors, metadata)``; metadata mirrors the real headers (lightx2v-h3.md §1.1).
+    Returns ``(tensors, metadata)``; metadata mirrors the headers of the released Turbo LoRAs (``docs/h3-facts.md``).
     """
     g = torch.Generator().manual_seed(seed)
     r = cfg.lora_rank

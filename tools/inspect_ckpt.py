@@ -90,7 +90,7 @@ def _write(args, *, want_plain: bool) -> int:
     try:
         det = detect(read_header(args.input))
         det.raise_if_errors()
-        plain = det.format in ("bf16", "fp16", "fp32", "mixed-plain")
+        plain = det.scheme.is_plain
         if want_plain and not plain:
             raise CheckpointError(args.input, f"already quantized ({det.format}); use `convert` instead")
         if not want_plain and plain:

@@ -1,5 +1,6 @@
-"""Test material for the loader: the tiny native NVFP4 fixture re-expressed in every supported format, and
-damaged copies of a safetensors file (one kind of damage each). No ComfyUI needed.
+"""Test material for the loader: the tiny native NVFP4 fixture re-expressed in every supported format (with
+each scheme's ``from_native``, :mod:`h3_turbo.formats.registry`), and damaged copies of a safetensors file
+(one kind of damage each). No ComfyUI needed.
 
 ``make_format_variants(native, bf16, out_dir)`` writes (names -> paths):
 
@@ -19,7 +20,7 @@ import struct
 
 import torch
 
-from ..formats.convert import native_to_foreign
+from ..formats import registry
 
 
 def _load(path):
@@ -50,17 +51,15 @@ def make_format_variants(native: str, bf16: str, out_dir: str, input_scale: floa
     out: dict[str, str] = {}
     p = lambda n: os.path.join(out_dir, f"h3_tiny_{n}.safetensors")  # noqa: E731
 
-    layers = {k[: -len(".comfy_quant")]: {"format": "nvfp4"} for k in sd if k.endswith(".comfy_quant")}
-    md = {k: v for k, v in sd.items() if not k.endswith(".comfy_quant")}
-    out["metadata"] = _save(md, p("metadata"), dict(meta, _quantization_metadata=json.dumps(
-        {"format_version": "1.0", "layers": layers})))
-    out["modelopt_lo_linear"] = _save(native_to_foreign(sd, "modelopt", "lo_first", "linear"), p("modelopt_lo_linear"), meta)
-    out["modelopt_hi_linear_meta"] = _save(native_to_foreign(sd, "modelopt", "hi_first", "linear"), p("modelopt_hi_linear_meta"),
-                                           dict(meta, nvfp4_nibble_order="hi_first", nvfp4_scale_layout="linear"))
-    out["modelopt_lo_swizzled_meta"] = _save(native_to_foreign(sd, "modelopt", "lo_first", "swizzled"),
-                                             p("modelopt_lo_swizzled_meta"),
-                                             dict(meta, nvfp4_nibble_order="lo_first", nvfp4_scale_layout="swizzled"))
-    out["lightx2v"] = _save(native_to_foreign(sd, "lightx2v", "lo_first"), p("lightx2v"), meta)
+    def write(name, fmt, **options):
+        tensors, m = registry.get(fmt).from_native(sd, meta, **options)
+        out[name] = _save(tensors, p(name), m)
+
+    write("metadata", "comfy_metadata")
+    write("modelopt_lo_linear", "modelopt", nibble_order="lo_first", scale_layout="linear")
+    write("modelopt_hi_linear_meta", "modelopt", nibble_order="hi_first", scale_layout="linear", declare=True)
+    write("modelopt_lo_swizzled_meta", "modelopt", nibble_order="lo_first", scale_layout="swizzled", declare=True)
+    write("lightx2v", "lightx2v", nibble_order="lo_first")
     out["prefixed"] = _save({"model.diffusion_model." + k: v for k, v in sd.items()}, p("prefixed"), meta)
     bsd, bmeta = _load(bf16)
     out["bf16_prefixed"] = _save({"diffusion_model." + k: v for k, v in bsd.items()}, p("bf16_prefixed"), bmeta)

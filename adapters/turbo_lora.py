@@ -256,7 +256,7 @@ def read_header(path: str) -> tuple[dict[str, dict], dict[str, str]]:
 
     Raises TurboLoRAError naming the file and the cause.
     """
-    from ..formats.safetensors_io import CheckpointError
+    from ..errors import CheckpointError
     from ..formats.safetensors_io import read_header as read_container
 
     try:

@@ -18,10 +18,9 @@ import json
 import re
 from dataclasses import dataclass, field
 
-import torch
-
 from ..model_facts import FP32_ISLAND, KEY_PREFIXES, NEVER_QUANTIZE, PROJECTIONS  # noqa: F401 (re-exported)
 from . import registry
+from . import nvfp4
 from .nvfp4 import roundup
 from .safetensors_io import CheckpointError, Header, TensorInfo, open_tensors
 from .schemes.base import (CORE_QUANT_FORMATS, FLOAT_DTYPES, QUANT_SUFFIXES, SCALE_DTYPES,  # noqa: F401
@@ -404,9 +403,7 @@ def check_block_scales(path: str, det: Detection, max_report: int = 8) -> list[F
                 b = f.get_tensor(key)
             except Exception:
                 continue
-            u = b.contiguous().view(-1).view(torch.uint8)
-            nan = int(((u & 0x7F) == 0x7F).sum())
-            neg = int(((u & 0x80) != 0).sum())
+            nan, neg = nvfp4.bad_scale_counts(b)
             if nan:
                 out.append(Finding("error", f"{nan} block scales are NaN (e4m3 0x7F/0xFF; expected finite)", key))
             if neg:

@@ -93,7 +93,7 @@ def load_h3_model(path: str, compute: str = "auto", disable_dynamic: bool = Fals
     qdev = load_device if (plan.quantize and torch.device(load_device).type == "cuda") else "cpu"
     if plan.quantize:
         log.info("%s: %s checkpoint, quantizing %d layers to NVFP4 on %s", path, det.format, len(plan.quantize), qdev)
-    elif det.format != "comfy_native":   # MERGE: formats registry attribute
+    elif not det.is_native:
         log.info("%s: converting %s (%d layers; nibbles %s [%s], scales %s [%s]) to the ComfyUI-native layout",
                  path, det.format, len(plan.convert), plan.nibble_order, det.nibble_order_source,
                  plan.scale_layout, det.scale_layout_source)

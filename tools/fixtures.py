@@ -211,9 +211,24 @@ FIXTURE_FILES = {
 }
 
 
+def _save_aligned(sd, path: str, metadata: dict[str, str]) -> None:
+    """``safetensors.torch.save_file``, then the header padded with spaces (the format allows it) so the data
+    starts 64-byte aligned: core's UNETLoader computes on the mmap'ed tensors in place (at their file offset's
+    alignment), our loader on aligned buffers, and CPU BLAS results depend on operand alignment."""
+    from safetensors.torch import save_file
+
+    save_file(sd, path, metadata=metadata)
+    with open(path, "rb") as f:
+        raw = f.read()
+    n = int.from_bytes(raw[:8], "little")
+    pad = -(8 + n) % 64
+    with open(path, "wb") as f:
+        f.write((n + pad).to_bytes(8, "little") + raw[8:8 + n] + b" " * pad + raw[8 + n:])
+
+
 def make_fixtures(root: str, cfg: TinyH3Config = TinyH3Config(), seed: int = 0, nvfp4: bool = True) -> dict[str, str]:
     """Write the fixture tree under ``root``; returns {name: path}. Idempotent (same bytes each run)."""
-    from safetensors.torch import save_file
+    save_file = _save_aligned
 
     paths = {k: os.path.join(root, d, f) for k, (d, f) in FIXTURE_FILES.items()}
     for p in paths.values():

@@ -10,7 +10,7 @@ content problems (they become findings; ``Detection.raise_if_errors()`` raises o
 scales are checked by :func:`check_block_scales`.
 
 The formats and how detection decides between them: ``docs/formats.md``; each format's layout is in its
-module under ``formats/schemes/``. Adding one: ``docs/EXTENDING-formats.md``.
+module under ``formats/schemes/``. Adding one: ``docs/EXTENDING.md``.
 """
 from __future__ import annotations
 

@@ -5,7 +5,7 @@ may. None claiming gives :data:`~.schemes.plain.UNCLAIMED` (format ``unknown``, 
 two or more is a :class:`CheckpointError` naming each claiming scheme and its evidence.
 
 To add a format: write one module in ``formats/schemes/`` and add its ``SCHEME`` here
-(``docs/EXTENDING-formats.md``); ``tests/test_format_schemes.py`` picks it up.
+(``docs/EXTENDING.md``); ``tests/test_format_schemes.py`` picks it up.
 """
 from __future__ import annotations
 

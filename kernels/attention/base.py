@@ -6,7 +6,7 @@ transformer_options=...)``; its ``wrap_attn`` decorator (``comfy/ldm/modules/att
 ``transformer_options["optimized_attention_override"]`` and calls ``override(func, q, k, v, heads,
 **kwargs)``, where ``func`` is core's own attention function and ``kwargs`` hold
 ``_inside_attn_wrapper=True`` (so ``func(...)`` never re-enters the override). A backend installs such
-an override on a cloned ModelPatcher; see ``docs/EXTENDING-attention.md`` to add one.
+an override on a cloned ModelPatcher; see ``docs/EXTENDING.md`` to add one.
 """
 from __future__ import annotations
 

@@ -5,7 +5,7 @@
 maps a combo value to a backend name (``auto`` -> :data:`DEFAULT`, the exact backend: approximate
 backends are opt-in by name), :func:`get` returns the backend, :func:`apply` gives a ModelPatcher clone
 that runs it. Unknown names raise ValueError listing the accepted ones. To add a backend:
-``docs/EXTENDING-attention.md``.
+``docs/EXTENDING.md``.
 """
 from __future__ import annotations
 

@@ -20,7 +20,7 @@ import torch
 
 from .. import state
 from ..adapters import contracts
-from ..errors import CheckpointError
+from ..errors import CheckpointError, NoCapablePathError
 from ..formats import nvfp4
 from ..formats.convert import iter_native, make_plan, native_metadata
 from ..formats.detect import Detection, detect
@@ -35,9 +35,9 @@ def resolve_compute(requested: str, device: torch.device) -> tuple[str, str]:
     NoCapablePathError (a ValueError and a RuntimeError) for an unknown name or a path the device cannot run."""
     try:
         return registry.resolve(requested, device)
-    except Exception as e:
-        if requested in registry.choices():
-            raise type(e)(f"compute={requested}: {e}") from None
+    except NoCapablePathError as e:
+        if requested in registry.choices():   # the device cannot run it: say which input asked for it
+            raise NoCapablePathError(f"compute={requested}: {e}") from None
         raise
 
 

@@ -266,20 +266,7 @@ def _holder():
     return SimpleNamespace(model_options={})
 
 
-class _Core:
-    """Stands in for core's attention function: counts calls, computes attention in float32 and returns
-    a new tensor in core's layout."""
-
-    def __init__(self):
-        self.calls = 0
-
-    def __call__(self, q, k, v, heads, mask=None, skip_reshape=False, skip_output_reshape=False, **kw):
-        self.calls += 1
-        if not skip_reshape:
-            b, _, hd = q.shape
-            q, k, v = (t.view(b, -1, heads, hd // heads).transpose(1, 2) for t in (q, k, v))
-        o = torch.nn.functional.scaled_dot_product_attention(q.float(), k.float(), v.float()).to(q.dtype)
-        return o if skip_output_reshape else o.transpose(1, 2).reshape(o.shape[0], -1, o.shape[1] * o.shape[3])
+from test_attention_int8 import _Core  # noqa: E402  (one stand-in for core's attention function)
 
 
 def test_registry_names_order_and_resolve():

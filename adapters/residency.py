@@ -52,7 +52,7 @@ class ResidentAdapter(contracts.AdapterFileNames):
 
     key: str
     path: str
-    contract: contracts.TurboContract
+    contract: contracts.TurboContract | None
     layout: str
     key_style: str
     module: AdapterModule
@@ -96,7 +96,7 @@ def budget_bytes() -> int:
 def _record(r: ResidentAdapter) -> None:
     state.record_resident_turbo(r.key, variant=r.variant, file=r.file, bytes=r.nbytes,
                                 device=str(r.module.param_device()), layout=r.layout,
-                                verified=bool(r.contract.extra.get("verified", False)))
+                                verified=bool(r.contract is not None and r.contract.extra.get("verified", False)))
 
 
 def get(path: str, dims: dict[str, tuple[int, int]] | None = None) -> ResidentAdapter:
@@ -133,7 +133,8 @@ def get(path: str, dims: dict[str, tuple[int, int]] | None = None) -> ResidentAd
         _record(res)
         _evict(keep=sha)
         log.info("Turbo LoRA %s loaded: %s, %d targets, %.1f MiB, contract %s (%s)", path, res.layout,
-                 len(module.targets), res.nbytes / 2**20, res.variant, res.contract.source)
+                 len(module.targets), res.nbytes / 2**20, res.variant,
+                 res.contract.source if res.contract is not None else "none determined")
         return res
 
 
@@ -229,11 +230,15 @@ def uninstall(model_patcher) -> str | None:
     return entry["adapter"]
 
 
+_FILE = object()  # install(contract=...) default: the adapter file's own contract
 _INSTALL_KEYS = ("contract", "adapter", "adapter_file", "adapter_sha256", "strength")
 
 
-def install(model_patcher, resident: ResidentAdapter, strength: float, alias: str) -> tuple:
+def install(model_patcher, resident: ResidentAdapter, strength: float, alias: str, contract=_FILE) -> tuple:
     """Install the branch of ``resident`` at ``strength`` on ``model_patcher`` (must be a CLONE).
+
+    ``contract``: the Turbo contract the MODEL carries (default: the adapter file's own, ``resident.contract``;
+    None: no contract, see ``contracts.choose``).
 
     Validates against the model's targets first (raises TurboLoRAError, nothing changed), then:
     injections (key ``h3turbo_lora``), a DIFFUSION_MODEL coverage wrapper, an OUTER_SAMPLE wrapper that
@@ -265,6 +270,7 @@ def install(model_patcher, resident: ResidentAdapter, strength: float, alias: st
     model_patcher.remove_wrappers_with_key(pe.WrappersMP.OUTER_SAMPLE, WRAPPER_KEY)
     model_patcher.add_wrapper_with_key(pe.WrappersMP.OUTER_SAMPLE, WRAPPER_KEY, branch.outer_sample_wrapper(on_start))
     model_patcher.set_additional_models(WRAPPER_KEY, [resident.patcher()])
-    contracts.attach(model_patcher, resident.contract, adapter=alias, adapter_file=resident.file,
+    contracts.attach(model_patcher, resident.contract if contract is _FILE else contract, adapter=alias,
+                     adapter_file=resident.file,
                      adapter_sha256=resident.key, strength=float(strength))
     return branch, model_patcher

@@ -155,7 +155,8 @@ class TurboLoRA(contracts.AdapterFileNames):
     """A Turbo LoRA file in canonical form. ``targets``: {target: TargetLoRA}; ``nbytes``: tensor bytes.
 
     ``layout``: "comfy" or "diffusers" (converted); ``key_style``: "diffusion_model." / "bare" / "peft" /
-    "diffusers"; ``contract``: the TurboContract (variant "unknown" when none could be derived).
+    "diffusers"; ``contract``: the TurboContract, or None when it cannot be determined (not an official file,
+    no contract metadata).
     """
 
     path: str
@@ -164,7 +165,7 @@ class TurboLoRA(contracts.AdapterFileNames):
     metadata: dict[str, str]
     layout: str
     key_style: str
-    contract: contracts.TurboContract
+    contract: contracts.TurboContract | None
     nbytes: int
     notes: list[str] = field(default_factory=list)
 
@@ -274,9 +275,9 @@ def read_header(path: str) -> tuple[dict[str, dict], dict[str, str]]:
 # ---------------------------------------------------------------------------------------------
 # Contracts
 # ---------------------------------------------------------------------------------------------
-def contract_for(path: str, metadata: dict[str, str], sha: str | None) -> contracts.TurboContract:
+def contract_for(path: str, metadata: dict[str, str], sha: str | None) -> contracts.TurboContract | None:
     """The Turbo contract of a file: known artifact by SHA-256, else by file name, else from the
-    ``h3_turbo_fixture`` metadata JSON (source "metadata"), else variant "unknown".
+    ``h3_turbo_fixture`` metadata JSON (source "metadata"), else None (no contract can be determined).
 
     A file named like an official artifact whose published SHA-256 differs gets the official contract
     with ``extra={"verified": False}`` and a warning (the alpha check still applies).
@@ -307,7 +308,7 @@ def contract_for(path: str, metadata: dict[str, str], sha: str | None) -> contra
         ts = metadata.get("training_scale")
         return contracts.TurboContract(f"{nfe}step", nfe, sv, sa, float(ts) if ts else None, name, sha,
                                        "metadata", {"verified": False})
-    return contracts.TurboContract("unknown", 0, 0.0, 0.0, None, name, sha, "unknown", {"verified": False})
+    return None
 
 
 def _with(c: contracts.TurboContract, **kw) -> contracts.TurboContract:
@@ -523,9 +524,9 @@ def canonicalize(tensors: dict[str, torch.Tensor], metadata: dict[str, str], pat
     return out, layout, style, notes
 
 
-def check_contract_alpha(targets: dict[str, TargetLoRA], contract: contracts.TurboContract, path: str) -> None:
+def check_contract_alpha(targets: dict[str, TargetLoRA], contract: contracts.TurboContract | None, path: str) -> None:
     """Raise TurboLoRAError when a known artifact's expected alpha/rank differs from the file's (any target)."""
-    exp = contract.alpha_over_rank
+    exp = contract.alpha_over_rank if contract is not None else None
     if exp is None or contract.source != "known-artifact":
         return
     bad = [f"{t}: {tl.scale:g}" for t, tl in targets.items() if abs(tl.scale - exp) > 1e-6 * max(1.0, exp)]
@@ -556,9 +557,11 @@ def load_turbo_lora(path: str, sha256: str | None = None) -> TurboLoRA:
     del tensors
     contract = contract_for(path, metadata, sha)
     check_contract_alpha(targets, contract, path)
-    if contract.variant == "unknown":
-        log.warning("Turbo LoRA %s: not a known official artifact and no contract metadata; contract 'unknown' "
-                    "(the sampler will not enforce steps/shifts)", path)
+    if contract is None:
+        log.warning("Turbo LoRA %s: not a known official artifact and no contract metadata, so it carries no Turbo "
+                    "contract: H3 Turbo Sigmas needs steps > 0 and uses the model's shift, and the sampler enforces "
+                    "nothing (pick variant 4step/8step on Apply H3 Turbo LoRA to sample it under an official "
+                    "contract)", path)
     nbytes = sum(tl.A.numel() * tl.A.element_size() + tl.B.numel() * tl.B.element_size() for tl in targets.values())
     return TurboLoRA(path, sha, targets, metadata, layout, style, contract, nbytes, notes)
 

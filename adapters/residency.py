@@ -57,6 +57,7 @@ class ResidentAdapter(contracts.AdapterFileNames):
     key_style: str
     module: AdapterModule
     notes: list[str] = field(default_factory=list)
+    head_dim: int | None = None   # the head size its qkv rows were de-interleaved for (DiffSynth layout)
     _patcher: object = None
 
     @property
@@ -99,12 +100,13 @@ def _record(r: ResidentAdapter) -> None:
                                 verified=bool(r.contract is not None and r.contract.extra.get("verified", False)))
 
 
-def get(path: str, dims: dict[str, tuple[int, int]] | None = None) -> ResidentAdapter:
+def get(path: str, dims: dict[str, tuple[int, int]] | None = None, head_dim: int | None = None) -> ResidentAdapter:
     """The resident adapter for ``path``: from the cache (by content hash) or loaded now.
 
     ``dims``: the requesting model's targets ({target: (out, in)}, see ``turbo_lora.model_target_dims``);
     when given, the adapter is validated against them and a newly loaded adapter that does not fit is
-    not cached. Raises turbo_lora.TurboLoRAError for bad files (nothing is cached then).
+    not cached. ``head_dim``: the model's head size (``turbo_lora.model_head_dim``; the DiffSynth-Studio layout
+    needs it). Raises turbo_lora.TurboLoRAError for bad files (nothing is cached then).
     """
     with _lock:
         sha = turbo_lora.cached_sha256(path)
@@ -119,13 +121,19 @@ def get(path: str, dims: dict[str, tuple[int, int]] | None = None) -> ResidentAd
             LOAD_STATS["hits"] += 1
             if os.path.realpath(hit.path) != os.path.realpath(path):
                 log.info("Turbo LoRA %s has the same content as resident %s; reusing it", path, hit.path)
+            if hit.head_dim is not None and head_dim is not None and hit.head_dim != head_dim:
+                raise turbo_lora.TurboLoRAError(
+                    f"Turbo LoRA {os.path.basename(path)!r} (DiffSynth-Studio layout) is resident with its qkv rows "
+                    f"de-interleaved for head size {hit.head_dim}, but this model's heads are {head_dim} wide: it "
+                    f"was made for another base. File: {path}")
             if dims is not None:
                 hit.validate_for(dims)
             return hit
-        lora = turbo_lora.load_turbo_lora(path, sha256=sha)
+        lora = turbo_lora.load_turbo_lora(path, sha256=sha, head_dim=head_dim)
         LOAD_STATS["loads"] += 1
         module = AdapterModule(lora)
-        res = ResidentAdapter(sha, path, lora.contract, lora.layout, lora.key_style, module, list(lora.notes))
+        res = ResidentAdapter(sha, path, lora.contract, lora.layout, lora.key_style, module, list(lora.notes),
+                              lora.head_dim)
         del lora
         if dims is not None:
             res.validate_for(dims)

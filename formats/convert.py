@@ -25,7 +25,7 @@ from typing import Callable, Iterator
 import torch
 
 from ..model_facts import NEVER_QUANTIZE
-from . import registry
+from . import registry, values
 from .detect import Detection, detect
 from .safetensors_io import CheckpointError, open_tensors, read_header
 from .schemes.base import NATIVE_MARKER, NATIVE_SUFFIXES, marker_tensor  # noqa: F401 (re-exported)
@@ -99,7 +99,9 @@ def iter_native(plan: Plan, progress: Callable[[int, int], None] | None = None,
 
     ``progress(done, total)`` is called after each quantized/converted layer. ``device`` is where
     quantization math runs (results are moved back to CPU; the cuda math is the same fp32 IEEE
-    sequence, but bit-identity to comfy-kitchen is tested on CPU only).
+    sequence, but bit-identity to comfy-kitchen is tested on CPU only). Every tensor read is value-checked
+    (:mod:`h3_turbo.formats.values`): a NaN / Inf value or a negative block scale raises
+    :class:`CheckpointError` naming the tensor, before its layer is yielded.
     """
     det = plan.det
     work = set(plan.quantize) | set(plan.convert)
@@ -114,7 +116,8 @@ def iter_native(plan: Plan, progress: Callable[[int, int], None] | None = None,
             stems_suffixes.setdefault(stem, set()).add(suf)
     emitted: set[str] = set()
     markers = det.scheme.other_layer_markers(det)
-    with open_tensors(det.path, header=hdr) as f:
+    with open_tensors(det.path, header=hdr) as raw:
+        f = values.CheckedReader(raw, det.path, values.block_scale_keys(det))
         for k in keys:
             stem, _, suf = k.rpartition(".")
             if stem in work:

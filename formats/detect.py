@@ -7,7 +7,7 @@ the shapes, one :class:`QuantLayer` per NVFP4 layer and every validation finding
 content problems (they become findings; ``Detection.raise_if_errors()`` raises one
 :class:`CheckpointError`), only when the file cannot be read. It reads tensor data only for tiny tensors
 (per-layer ``comfy_quant`` JSON and scalar scales, at most :data:`SMALL_NUMEL` elements each); block
-scales are checked by :func:`check_block_scales`.
+values (every tensor: NaN, Inf, negative block scales) are checked by :func:`check_block_scales`.
 
 The formats and how detection decides between them: ``docs/formats.md``; each format's layout is in its
 module under ``formats/schemes/``. Adding one: ``docs/EXTENDING.md``.
@@ -99,6 +99,7 @@ class Detection:
     other_quant: set = field(default_factory=set)   # stems quantized in a non-nvfp4 core format
     scheme: Scheme = UNCLAIMED
     evidence: Evidence | None = None
+    value_scan: object = None   # formats.values.ScanResult after check_block_scales (inspect)
 
     @property
     def is_native(self) -> bool:
@@ -391,24 +392,17 @@ def _validate_blocks(det: Detection, T: dict[str, TensorInfo], cfg: H3Config) ->
 
 
 def check_block_scales(path: str, det: Detection, max_report: int = 8) -> list[Finding]:
-    """Read every NVFP4 layer's block scales and flag NaN (e4m3 0x7F/0xFF) or negative scales.
+    """Read every tensor of the file (under its prefix) once and check its values with
+    :func:`h3_turbo.formats.values.scan`: NaN / Inf in float tensors, NaN (e4m3 0x7F/0xFF) or negative NVFP4
+    block scales. (The name predates the full scan.) Appends one error finding per problem (at most
+    ``max_report`` tensors, then one finding with the count of the rest) to ``det.findings``, returns them."""
+    from . import values
 
-    Appends the findings to ``det.findings`` and returns them. Reads ~N*K/16 bytes per layer.
-    """
-    out: list[Finding] = []
-    with open_tensors(path) as f:
-        for s in det.quant_layers:
-            key = det.prefix + s + ".weight_scale"
-            try:
-                b = f.get_tensor(key)
-            except Exception:
-                continue
-            nan, neg = nvfp4.bad_scale_counts(b)
-            if nan:
-                out.append(Finding("error", f"{nan} block scales are NaN (e4m3 0x7F/0xFF; expected finite)", key))
-            if neg:
-                out.append(Finding("error", f"{neg} block scales are negative (expected >= 0)", key))
-            if len(out) >= max_report:
-                break
+    res = values.scan(path, det, max_report=max_report)
+    out = [Finding("error", msg, key) for key, msg in res.bad]
+    shown = len({k for k, _ in res.bad})
+    if res.bad_tensors > shown:
+        out.append(Finding("error", f"{res.bad_tensors - shown} more tensors with bad values"))
     det.findings.extend(out)
+    det.value_scan = res
     return out

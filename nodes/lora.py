@@ -106,8 +106,10 @@ class H3TurboLoRA(io.ComfyNode):
         if name not in files:
             raise turbo_lora.TurboLoRAError(f"Apply H3 Turbo LoRA: {turbo!r} is not in the loras folder "
                                             f"(known aliases: {sorted(aliases) or 'none'})")
-        dims = turbo_lora.model_target_dims(model.model.diffusion_model)
-        resident = residency.get(files[name], dims)  # validated against this model before touching it
+        dm = model.model.diffusion_model
+        dims = turbo_lora.model_target_dims(dm)
+        # validated against this model before touching it
+        resident = residency.get(files[name], dims, head_dim=turbo_lora.model_head_dim(dm))
         alias = turbo if turbo in aliases else name
         contract = contracts.choose(resident.contract, variant, resident.file)
         if contract is None:

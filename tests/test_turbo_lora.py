@@ -203,13 +203,13 @@ def test_alias_table(fixtures_dir, tmp_path):
 
 
 # ---------------------------------------------------------------------------------------------- key styles
-def test_bare_and_peft_keys_accepted(fixtures_dir, tmp_path):
+def test_bare_keys_accepted(fixtures_dir, tmp_path):
+    """Bare ``blocks.N`` keys (no ``diffusion_model.``). Core's names with the PEFT ``.default.`` infix are the
+    DiffSynth-Studio layout, whose qkv rows are interleaved: tests/test_lora_layouts.py."""
     t, meta = _read(fixtures_dir["lora_8step"])
     ref = turbo_lora.load_turbo_lora(fixtures_dir["lora_8step"])
     bare = {k[len("diffusion_model."):]: v for k, v in t.items()}
-    peft = {k.replace(".lora_A.weight", ".lora_A.default.weight").replace(".lora_B.weight", ".lora_B.default.weight"): v
-            for k, v in t.items()}
-    for name, tt, style in (("bare", bare, "bare"), ("peft", peft, "peft")):
+    for name, tt, style in (("bare", bare, "bare"),):
         lora = turbo_lora.load_turbo_lora(_write(tmp_path, f"{name}.safetensors", tt, meta))
         assert lora.key_style == style and lora.targets.keys() == ref.targets.keys()
         for k, tl in lora.targets.items():

@@ -18,7 +18,8 @@ import json
 import re
 from dataclasses import dataclass, field
 
-from ..model_facts import FP32_ISLAND, KEY_PREFIXES, NEVER_QUANTIZE, PROJECTIONS  # noqa: F401 (re-exported)
+from ..model_facts import (DEPTH, FP32_ISLAND, KEY_PREFIXES, NEVER_QUANTIZE, PROJECTIONS,  # noqa: F401 (re-exported)
+                           REFINER_DEPTH)
 from . import registry
 from . import nvfp4
 from .nvfp4 import roundup
@@ -100,6 +101,7 @@ class Detection:
     scheme: Scheme = UNCLAIMED
     evidence: Evidence | None = None
     value_scan: object = None   # formats.values.ScanResult after check_block_scales (inspect)
+    unused_stems: set = field(default_factory=set)  # layers the loader leaves out (VSA gates: core ignores them)
 
     @property
     def is_native(self) -> bool:
@@ -177,6 +179,26 @@ def _looks_like(keys: set[str]) -> str:
     if anyp(r"^(encoder|decoder)\.") and not anyp(r"blocks\.\d+\.attn"):
         return "a VAE (load it with VAELoader)"
     return "unknown (no video_patch_proj/audio_patch_proj: not MiniMax H3)"
+
+
+#: VSA (FastVideo video sparse attention) compression gates in core's names (newer core builds and ignores them)
+VSA_GATE = re.compile(r"^(blocks|token_refiner\.blocks)\.\d+\.attn\.to_gate_compress\.weight$")
+
+
+def _natural_key(s: str):
+    return [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", s)]
+
+
+def _spans(pfx: str, idx: list[int]) -> str:
+    """Sorted indices as "<pfx>a..b, <pfx>c" runs (e.g. "blocks.25..49")."""
+    runs, start = [], None
+    for i, v in enumerate(idx):
+        if start is None:
+            start = v
+        if i + 1 == len(idx) or idx[i + 1] != v + 1:
+            runs.append(f"{pfx}{start}" + (f"..{v}" if v != start else ""))
+            start = None
+    return ", ".join(runs)
 
 
 def _count_blocks(keys: set[str], pfx: str) -> tuple[int, list[int]]:
@@ -290,16 +312,37 @@ def _detect_config(det: Detection, T: dict[str, TensorInfo]) -> H3Config | None:
     heads = qkv_n // (3 * head_dim)
     layers, idx = _count_blocks(keys, "blocks.")
     rlayers, ridx = _count_blocks(keys, "token_refiner.blocks.")
-    if idx != list(range(layers)):
-        det.error(f"DiT block indices are not 0..{layers - 1}: missing {sorted(set(range(max(idx) + 1)) - set(idx))}")
-    if ridx != list(range(rlayers)):
-        det.error(f"refiner block indices are not contiguous: {ridx}")
+    for what, pfx, have, depth in (("DiT", "blocks.", idx, DEPTH), ("token refiner", "token_refiner.blocks.", ridx,
+                                                                    REFINER_DEPTH)):
+        holes = sorted(set(range(max(have) + 1)) - set(have)) if have else []
+        if holes:
+            det.error(f"{what} blocks missing: {_spans(pfx, holes)} (the file has {pfx}0..{max(have)} except "
+                      f"these; a checkpoint shard missing?); core would build only {pfx}0..{holes[0] - 1} and "
+                      f"ignore the rest")
+        elif len(have) != depth:
+            gone = f": {_spans(pfx, list(range(len(have), depth)))} absent (a checkpoint shard missing?)" \
+                if len(have) < depth else ""
+            det.warn(f"{len(have)} {what} blocks, MiniMax H3 has {depth}{gone}; the model is built "
+                     f"{len(have)} blocks deep")
     form = "pruned" if "adaln_t_table" in keys else "unpruned"
     cfg = H3Config(hidden=hidden, heads=heads, head_dim=head_dim, ffn=fc1_n // 2, layers=layers,
                    refiner_layers=rlayers, text_dim=cp[1], latents_dim=vo[0] // 4, audio_latents_dim=ao[0],
                    form=form)
     if app[0] != hidden:
         det.error(f"audio_patch_proj has {app[0]} rows but hidden is {hidden}", "audio_patch_proj.weight")
+    if vpp[1] and vo[0] != vpp[1] and vo[0] % vpp[1] == 0:
+        n = vo[0] // vpp[1]
+        det.error(f"final_layer.video_out has {vo[0]} rows = {n} x {vpp[1]} (video_patch_proj's input width): a PDD "
+                  f"head-bank checkpoint ({n} output heads per stream, which newer core's FinalLayer blends per step "
+                  f"from the sampler's sigma schedule). This loader does not support PDD head banks; load the file "
+                  f"with core's UNETLoader on a core that has them", "final_layer.video_out.weight")
+    gates = {k[:-len(".weight")] for k in keys if VSA_GATE.match(k)}
+    if gates:
+        det.unused_stems |= gates
+        det.warn(f"{len(gates)} blocks carry attn.to_gate_compress (the compression gate of FastVideo's VSA, video "
+                 f"sparse attention; e.g. {min(gates, key=_natural_key)}): neither core nor this pack runs VSA, and "
+                 f"core's own dense H3 forward ignores the gate, so the loader leaves it out and the model runs "
+                 f"dense attention")
     if cfg.latents_dim != 24 or cfg.audio_latents_dim != 32:
         det.warn(f"latent channels video {cfg.latents_dim} / audio {cfg.audio_latents_dim} differ from H3's 24 / 32")
     if cfg.text_dim == hidden:

@@ -95,7 +95,8 @@ def load_h3_model(path: str, compute: str = "auto", disable_dynamic: bool = Fals
                  path, det.format, len(plan.convert), plan.nibble_order, det.nibble_order_source,
                  plan.scale_layout, det.scale_layout_source)
     try:
-        sd = dict(iter_native(plan, progress=lambda d, t: pbar.update_absolute(d, t), device=qdev))
+        sd = dict(iter_native(plan, progress=lambda d, t: pbar.update_absolute(d, t), device=qdev,
+                              drop=det.unused_stems))
     except CheckpointError:
         raise
     except ValueError as e:

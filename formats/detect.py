@@ -181,6 +181,7 @@ def _looks_like(keys: set[str]) -> str:
     return "unknown (no video_patch_proj/audio_patch_proj: not MiniMax H3)"
 
 
+_BLOCK_KEY = re.compile(r"^((?:token_refiner\.)?blocks\.\d+)\.")
 #: VSA (FastVideo video sparse attention) compression gates in core's names (newer core builds and ignores them)
 VSA_GATE = re.compile(r"^(blocks|token_refiner\.blocks)\.\d+\.attn\.to_gate_compress\.weight$")
 
@@ -325,6 +326,8 @@ def _detect_config(det: Detection, T: dict[str, TensorInfo]) -> H3Config | None:
             det.warn(f"{len(have)} {what} blocks, MiniMax H3 has {depth}{gone}; the model is built "
                      f"{len(have)} blocks deep")
     form = "pruned" if "adaln_t_table" in keys else "unpruned"
+    # with holes, validate every index up to the last one present (the holes themselves are one error above)
+    layers, rlayers = (max(idx) + 1 if idx else 0), (max(ridx) + 1 if ridx else 0)
     cfg = H3Config(hidden=hidden, heads=heads, head_dim=head_dim, ffn=fc1_n // 2, layers=layers,
                    refiner_layers=rlayers, text_dim=cp[1], latents_dim=vo[0] // 4, audio_latents_dim=ao[0],
                    form=form)
@@ -389,7 +392,10 @@ def _validate_metadata_config(det: Detection, cfg: H3Config) -> None:
 
 def _validate_blocks(det: Detection, T: dict[str, TensorInfo], cfg: H3Config) -> None:
     shapes = cfg.projection_shapes()
+    have = {m.group(1) for k in T if (m := _BLOCK_KEY.match(k))}
     for b in cfg.block_prefixes():
+        if b not in have:
+            continue   # a hole in the block indices: reported once by _detect_config
         for p, (n, k) in shapes.items():
             stem = f"{b}.{p}"
             key = f"{stem}.weight"

@@ -36,7 +36,8 @@ class Number:
     def check(self, node: str, name: str, value):
         """``value`` as float / int when it is a finite number in [min, max]; else InputError naming ``node``,
         ``name``, the value and the range."""
-        want = f"expected {'a number' if self.kind == 'float' else 'an integer'} in [{self.min:g}, {self.max:g}]"
+        lo, hi = (f"{self.min:g}", f"{self.max:g}") if self.kind == "float" else (f"{self.min}", f"{self.max}")
+        want = f"expected {'a number' if self.kind == 'float' else 'an integer'} in [{lo}, {hi}]"
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise InputError(f"{node}: {name} = {value!r} is not a number ({want})")
         if not math.isfinite(value):

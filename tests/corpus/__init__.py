@@ -246,18 +246,19 @@ def build_adapter_corpus(fixtures: dict, out_dir: str) -> dict[str, str]:
     out["diffusers_twin"] = _save(_diffusers_twin(t), p("diffusers_twin"), dmeta)
     out["diffusers_twin_fc1_swapped"] = _save(_diffusers_twin(t, swap_fc1=True), p("diffusers_twin_fc1_swapped"), dmeta)
     for case in LAYOUT_CASES:
-        out[case] = _save(*as_layout(t, meta, case), p(case))
+        lt, lm = as_layout(t, meta, case)
+        out[case] = _save(lt, p(case), lm)
     ds, _ = as_layout(t, meta, "diffsynth")
     out["diffsynth_no_alpha"] = _save({k: v for k, v in ds.items() if not k.endswith(".alpha")},
                                       p("diffsynth_no_alpha"), {k: v for k, v in meta.items() if k != "training_scale"})
     nts = {k: v for k, v in meta.items() if k != "training_scale"}   # so that only the alpha check speaks
-    out["alpha_zero"] = _save(dict(t, **{"diffusion_model.blocks.2.mlp.fc2.alpha": torch.tensor(0.0)}),
+    out["alpha_zero"] = _save(dict(t, **{"diffusion_model.blocks.1.mlp.fc2.alpha": torch.tensor(0.0)}),
                               p("alpha_zero"), nts)
-    out["alpha_negative"] = _save(dict(t, **{"diffusion_model.blocks.2.attn.qkv_proj.alpha": torch.tensor(-12.0)}),
+    out["alpha_negative"] = _save(dict(t, **{"diffusion_model.blocks.1.attn.qkv_proj.alpha": torch.tensor(-12.0)}),
                                   p("alpha_negative"), nts)
-    nan_b = t["diffusion_model.blocks.4.mlp.fc1.lora_B.weight"].clone()
+    nan_b = t["diffusion_model.blocks.1.mlp.fc1.lora_B.weight"].clone()
     nan_b[3, 1] = float("nan")
-    out["lora_nan"] = _save(dict(t, **{"diffusion_model.blocks.4.mlp.fc1.lora_B.weight": nan_b}), p("lora_nan"), meta)
+    out["lora_nan"] = _save(dict(t, **{"diffusion_model.blocks.1.mlp.fc1.lora_B.weight": nan_b}), p("lora_nan"), meta)
     out["metadata_alpha_zero"] = _save(_diffusers_twin(t), p("metadata_alpha_zero"), dict(nts, alpha="0"))
     assert set(out) == set(ADAPTER_BAD_CASES) | set(ADAPTER_OK_CASES) | set(LAYOUT_CASES) | set(ADAPTER_BAD_VALUE_CASES)
     _MEMO[key] = out
@@ -324,9 +325,9 @@ SMALL_LAYERS = (2, 1)  # DiT blocks, refiner blocks of the small sampling fixtur
 
 def write_small_fixtures(models_root: str, sub: str, work_dir: str) -> dict[str, str]:
     """The tiny fixtures at depth 2+1 (same widths and latent sizes; 12 adapter targets), ~10x faster to sample,
-    written as ``<models_root>/diffusion_models/<sub>/h3rel_small_nvfp4.safetensors`` and
-    ``<models_root>/loras/<sub>/h3rel_small_turbo_{4,8}step.safetensors``. Returns {"unet", "lora_4step",
-    "lora_8step"}: names as ComfyUI lists them (``<sub>/<file>``), plus the same keys + "_path"."""
+    written as ``<models_root>/diffusion_models/<sub>/h3rel_small_{nvfp4,bf16}.safetensors`` and
+    ``<models_root>/loras/<sub>/h3rel_small_turbo_{4,8}step.safetensors``. Returns {"unet", "unet_bf16",
+    "lora_4step", "lora_8step"}: names as ComfyUI lists them (``<sub>/<file>``), plus the same keys + "_path"."""
     import dataclasses
 
     from h3_turbo.tools.fixtures import TinyH3Config, make_fixtures
@@ -335,11 +336,12 @@ def write_small_fixtures(models_root: str, sub: str, work_dir: str) -> dict[str,
                                                       refiner_layers=SMALL_LAYERS[1]))
     out = {}
     for key, folder, name in (("unet", "diffusion_models", "h3rel_small_nvfp4.safetensors"),
+                              ("unet_bf16", "diffusion_models", "h3rel_small_bf16.safetensors"),
                               ("lora_4step", "loras", "h3rel_small_turbo_4step.safetensors"),
                               ("lora_8step", "loras", "h3rel_small_turbo_8step.safetensors")):
         d = os.path.join(models_root, folder, sub)
         os.makedirs(d, exist_ok=True)
-        shutil.copy(src["nvfp4" if key == "unet" else key], os.path.join(d, name))
+        shutil.copy(src[{"unet": "nvfp4", "unet_bf16": "bf16"}.get(key, key)], os.path.join(d, name))
         out[key] = f"{sub}/{name}"
         out[key + "_path"] = os.path.join(d, name)
     return out
@@ -448,3 +450,60 @@ def fingerprint_parts(model_patcher) -> dict[str, str]:
             h.update(f"{name}:{mod.__dict__['forward']!r}".encode())
     parts["forward_overrides"] = h.hexdigest()
     return parts
+
+
+# ----------------------------------------------------------------------------------------------- issue 18
+#: model files of issue 18: bad values anywhere (item 3), missing blocks (item 5), newer-core variants (item 11)
+MODEL_CASES_2 = ("bf16_nan_projection", "bf16_inf_output_head", "nvfp4_nan_output_bias", "depth_49", "depth_25",
+                 "block_hole", "pdd_heads")
+
+
+def build_model_corpus_2(fixtures: dict, out_dir: str) -> dict[str, str]:
+    """One file per :data:`MODEL_CASES_2` into ``out_dir`` (from the 50+2-block BF16 / NVFP4 fixtures)."""
+    key = ("model2", os.path.abspath(out_dir))
+    if key in _MEMO:
+        return dict(_MEMO[key])
+    os.makedirs(out_dir, exist_ok=True)
+    p = lambda n: os.path.join(out_dir, f"{n}.safetensors")  # noqa: E731
+    bf, bmeta = _load(fixtures["bf16"])
+    nv, nmeta = _load(fixtures["nvfp4"])
+    out = {}
+
+    def put(name, base, meta, **set_):
+        d = dict(base)
+        for k, v in set_.items():
+            d[k.replace("__", ".")] = v
+        out[name] = _save(d, p(name), meta)
+
+    w = bf["blocks.3.attn.out_proj.weight"].clone()
+    w[0, 0] = float("nan")
+    put("bf16_nan_projection", bf, bmeta, blocks__3__attn__out_proj__weight=w)
+    w = bf["final_layer.video_out.weight"].clone()
+    w[1, 2] = float("inf")
+    put("bf16_inf_output_head", bf, bmeta, final_layer__video_out__weight=w)
+    b = nv["final_layer.audio_out.bias"].clone()
+    b[5] = float("nan")
+    put("nvfp4_nan_output_bias", nv, nmeta, final_layer__audio_out__bias=b)
+    for name, gone in (("depth_49", range(49, 50)), ("depth_25", range(25, 50)), ("block_hole", range(10, 11))):
+        drop = tuple(f"blocks.{i}." for i in gone)
+        out[name] = _save({k: v for k, v in nv.items() if not k.startswith(drop)}, p(name), nmeta)
+    pdd = dict(bf)
+    for head in ("video_out", "audio_out"):   # a bank of 2 heads: rows [head 0; head 1 - head 0]
+        for s in ("weight", "bias"):
+            t = bf[f"final_layer.{head}.{s}"]
+            pdd[f"final_layer.{head}.{s}"] = torch.cat([t, t * 0.01], 0)
+    out["pdd_heads"] = _save(pdd, p("pdd_heads"), bmeta)
+    assert set(out) == set(MODEL_CASES_2)
+    _MEMO[key] = out
+    return dict(out)
+
+
+def with_vsa_gates(src: str, dst: str) -> str:
+    """``src`` plus an ``attn.to_gate_compress.weight`` [inner, hidden] bf16 on every DiT block (FastVideo's VSA
+    gate, which core's dense forward ignores)."""
+    sd, meta = _load(src)
+    g = torch.Generator().manual_seed(18)
+    for k in [k for k in sd if k.endswith(".attn.qkv_proj.weight") and k.startswith("blocks.")]:
+        hidden, inner = sd[k.replace("qkv_proj", "out_proj")].shape     # a bf16 file: out_proj [hidden, inner]
+        sd[k.replace("qkv_proj", "to_gate_compress")] = (torch.randn(inner, hidden, generator=g) * 0.02).to(torch.bfloat16)
+    return _save(sd, dst, meta)

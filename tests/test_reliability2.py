@@ -479,3 +479,15 @@ def test_fun_controlnet_without_a_contract_samples(comfy, rel2):
 
 def test_corpus_2_is_complete(rel2):
     assert set(rel2["models"]) == set(MODEL_CASES_2)
+
+
+# ----------------------------------------------------------------------------------------------- item 6
+def test_saved_workflow_without_new_inputs_runs(comfy, rel_models, small_ref):
+    """A prompt saved before state_dtype (H3TurboSampler) and variant (H3TurboLoRA) existed runs with their
+    defaults (fp32, auto): the latents equal the reference run that sets them (tests/test_saved_workflows.py
+    validates the saved files themselves)."""
+    p = graph(tag="saved")
+    p["6"]["inputs"].pop("state_dtype")
+    assert "variant" not in p["2"]["inputs"] and p["6"]["inputs"] == {}
+    v, a = run_latents(comfy, p)
+    assert torch.equal(v, small_ref["v"]) and torch.equal(a, small_ref["a"])

@@ -48,6 +48,7 @@ import torch.nn.functional as F
 
 from ..errors import CoverageError as TurboCoverageError
 from ..logs import log_once
+from ..runtime.core_compat import fc2_bypass_reason
 from ..runtime.layer import fusable_check
 
 log = logging.getLogger("h3_turbo")
@@ -186,12 +187,6 @@ def apply_branch_unfused_(y: torch.Tensor, x: torch.Tensor, p: TargetParams, coe
     return y
 
 
-def _is_int8_tensorwise(module) -> bool:
-    """True for a core QuantizedTensor weight in comfy-kitchen's TensorWiseINT8Layout (``_layout_cls`` is a
-    string there, as read by ``comfy.ops.linear_input_act``)."""
-    return getattr(getattr(module, "weight", None), "_layout_cls", None) == "TensorWiseINT8Layout"
-
-
 def _swiglu(h: torch.Tensor) -> torch.Tensor:
     import comfy.ops  # the same eager activation core uses for fc2's input
 
@@ -287,8 +282,6 @@ class TurboBranch:
             if self.injected:
                 return
             coef_s = self.strength
-            from ..runtime.core_compat import fc2_bypass_reason
-
             capture: dict[str, dict] = {}
             reasons = {}
             for t in self.targets:
@@ -296,8 +289,8 @@ class TurboBranch:
                     why = fc2_bypass_reason(diffusion_model.get_submodule(t))
                     if why is not None:
                         reasons[t[: -len(".mlp.fc2")]] = why
-            int8_blocks = set(reasons)   # blocks whose fc2 branch runs at the MLP level
-            self.mlp_level = [f"{b}.mlp.fc2" for b in sorted(int8_blocks)]
+            mlp_blocks = set(reasons)   # blocks whose fc2 branch runs at the MLP level
+            self.mlp_level = [f"{b}.mlp.fc2" for b in sorted(mlp_blocks)]
             self._live = live = [True]  # this injection's wrappers pass through once ejected
             for why in sorted(set(reasons.values())):
                 log_once(("turbo_mlp_level", why), "Turbo LoRA %s: %d fc2 layers may be computed by core without "
@@ -310,11 +303,11 @@ class TurboBranch:
                     idx = self._index[t]
                     coef = coef_s * p.coef
                     block = t.rsplit(".", 2)[0] if t.endswith((".mlp.fc1", ".mlp.fc2")) else None
-                    if block in int8_blocks and t.endswith(".mlp.fc2"):
+                    if block in mlp_blocks and t.endswith(".mlp.fc2"):
                         self._inject_mlp_level(diffusion_model, block, p, idx, coef,
                                                capture.setdefault(block, {}), live)
                         continue
-                    capt = block in int8_blocks and t.endswith(".mlp.fc1")
+                    capt = block in mlp_blocks and t.endswith(".mlp.fc1")
                     slot = capture.setdefault(block, {}) if capt else None
                     # the loader's NVFP4 layers compute base + branch together (kernels.dispatch.linear_with_lora),
                     # but only when nothing else wrapped the layer's forward before us

@@ -14,12 +14,18 @@ Canonical form (docs/h3-facts.md#turbo-lora-layout), one entry per target
 The branch adds ``strength * (alpha / R) * B @ (A @ x)``. Accepted file layouts:
 
 - ComfyUI: ``diffusion_model.<target>.{lora_A.weight, lora_B.weight, alpha}`` (the official files), also
-  bare ``<target>.*`` keys and the PEFT ``.lora_A.default.weight`` infix;
-- Diffusers twin: ``transformer_blocks.N`` / ``token_refiner.refiner_blocks.N`` with
+  bare ``<target>.*`` keys, kohya ``lora_down`` / ``lora_up`` and kohya / musubi ``lora_unet_<target with _>``;
+- DiffSynth-Studio: core's names with the PEFT ``.lora_A.default.weight`` infix; its fused qkv B rows are
+  per-head interleaved and are de-interleaved (:func:`deinterleave_qkv_rows`, needs the model's head size);
+  alpha from tensors or ``__metadata__["alpha"]``, else refused;
+- Diffusers twin: ``transformer_blocks.N`` / ``token_refiner.refiner_blocks.N`` (optionally under
+  ``diffusion_model.`` / ``model.``, or as ``lora_unet_`` names with one alpha per module) with
   ``attn.to_q|to_k|to_v|to_out.0`` and ``ff.net.0.proj`` (rows [up; gate]) / ``ff.net.2``, PEFT
   ``.lora_A(.default).weight``; no alpha tensors: alpha = ``__metadata__["alpha"]`` (8 when absent, the
   reference trainer's default). Converted EXACTLY to the fused form (concat A, block-diagonal B,
   alpha x3 for qkv, fc1 halves swapped).
+
+Every tensor's values are checked (NaN / Inf, ``formats.values``) and every alpha must be > 0.
 
 Errors are :class:`TurboLoRAError` (a ``ValueError``) naming the file, listing the first offending keys
 and the counts.
@@ -207,9 +213,9 @@ class TargetLoRA:
 class TurboLoRA(contracts.AdapterFileNames):
     """A Turbo LoRA file in canonical form. ``targets``: {target: TargetLoRA}; ``nbytes``: tensor bytes.
 
-    ``layout``: "comfy" or "diffusers" (converted); ``key_style``: "diffusion_model." / "bare" / "peft" /
-    "diffusers"; ``contract``: the TurboContract, or None when it cannot be determined (not an official file,
-    no contract metadata).
+    ``layout``: "comfy", "diffsynth" or "diffusers" (converted); ``key_style``: see :func:`parse_key`;
+    ``contract``: the TurboContract, or None when it cannot be determined (not an official file, no contract
+    metadata).
     """
 
     path: str

@@ -93,8 +93,8 @@ def make_plan(det: Detection, include=None, exclude=None, nibble_order: str | No
     return Plan(det, [], list(det.quant_layers), no, sl)
 
 
-def iter_native(plan: Plan, progress: Callable[[int, int], None] | None = None,
-                device: str | torch.device = "cpu", drop: set[str] = frozenset()) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_native(plan: Plan, progress: Callable[[int, int], None] | None = None, device: str | torch.device = "cpu",
+                drop: set[str] = frozenset()) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield the native checkpoint as ``(key, tensor)`` (no prefix), reading the input tensor by tensor.
 
     ``progress(done, total)`` is called after each quantized/converted layer. ``device`` is where

@@ -6,8 +6,8 @@ scheme object that claimed it (:mod:`h3_turbo.formats.registry`), the key prefix
 the shapes, one :class:`QuantLayer` per NVFP4 layer and every validation finding. It never raises for
 content problems (they become findings; ``Detection.raise_if_errors()`` raises one
 :class:`CheckpointError`), only when the file cannot be read. It reads tensor data only for tiny tensors
-(per-layer ``comfy_quant`` JSON and scalar scales, at most :data:`SMALL_NUMEL` elements each); block
-values (every tensor: NaN, Inf, negative block scales) are checked by :func:`check_block_scales`.
+(per-layer ``comfy_quant`` JSON and scalar scales, at most :data:`SMALL_NUMEL` elements each); the values
+of every tensor (NaN, Inf, negative block scales) are checked by :func:`check_block_scales`.
 
 The formats and how detection decides between them: ``docs/formats.md``; each format's layout is in its
 module under ``formats/schemes/``. Adding one: ``docs/EXTENDING.md``.

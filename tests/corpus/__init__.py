@@ -505,5 +505,6 @@ def with_vsa_gates(src: str, dst: str) -> str:
     g = torch.Generator().manual_seed(18)
     for k in [k for k in sd if k.endswith(".attn.qkv_proj.weight") and k.startswith("blocks.")]:
         hidden, inner = sd[k.replace("qkv_proj", "out_proj")].shape     # a bf16 file: out_proj [hidden, inner]
-        sd[k.replace("qkv_proj", "to_gate_compress")] = (torch.randn(inner, hidden, generator=g) * 0.02).to(torch.bfloat16)
+        gate = torch.randn(inner, hidden, generator=g) * 0.02
+        sd[k.replace("qkv_proj", "to_gate_compress")] = gate.to(torch.bfloat16)
     return _save(sd, dst, meta)

@@ -5,7 +5,8 @@
     ├── TurboLoRAError         a Turbo LoRA file that cannot be used (ValueError)
     ├── TurboContractError     a sampling-time violation of a Turbo contract (ValueError)
     ├── CoverageError          Turbo LoRA targets that did not run in a diffusion-model call (RuntimeError)
-    └── NoCapablePathError     a compute path / attention backend this device cannot run (ValueError, RuntimeError)
+    ├── NoCapablePathError     a compute path / attention backend this device cannot run (ValueError, RuntimeError)
+    └── InputError             a node input value that is not allowed (NaN, Inf, out of range) (ValueError)
 
 The extra built-in bases keep ``except ValueError`` / ``except RuntimeError`` callers working. Messages
 name the file, the key and what was expected. ComfyUI shows errors as ``<module>.<class>: message``;
@@ -54,9 +55,15 @@ class NoCapablePathError(H3TurboError, ValueError, RuntimeError):
     (every candidate's reason when ``auto`` found none)."""
 
 
+class InputError(H3TurboError, ValueError):
+    """A node input value that is not allowed: not a finite number, or outside the input's range. The message
+    names the node, the input, the value and the range (``nodes/checks.py``)."""
+
+
 #: the name the pack used before the hierarchy existed
 TurboCoverageError = CoverageError
 
-for _cls in (H3TurboError, CheckpointError, TurboLoRAError, TurboContractError, CoverageError, NoCapablePathError):
+for _cls in (H3TurboError, CheckpointError, TurboLoRAError, TurboContractError, CoverageError, NoCapablePathError,
+             InputError):
     _cls.__module__ = "h3_turbo"
 del _cls

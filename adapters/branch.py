@@ -24,8 +24,9 @@ before us, the layer accepts the call (``h3turbo_fusable``: GPU kernel path, no 
 (or if the layer still answers None) the unfused route below runs. Either route counts the target for the
 coverage checks.
 
-INT8 tensor-wise ``fc2`` (docs/h3-facts.md#lora-on-quantized-layers): core's ``comfy.ops.linear_input_act`` computes
-``fc2(swiglu(fc1(x)))`` with comfy-kitchen's fused kernel and never calls ``fc2.forward``. For such
+MLP-level fc2 (docs/h3-facts.md#lora-on-quantized-layers, #newer-core): core's ``comfy.ops.linear_input_act``
+computes ``fc2(swiglu(fc1(x)))`` without calling ``fc2.forward`` for INT8 tensor-wise weights (comfy-kitchen's
+fused kernel) and, in newer cores, for plain weights on its fp16 fast path (``runtime.core_compat``). For such
 blocks the fc2 branch is applied at the MLP level instead: the MLP's forward is wrapped, the fc1
 output (with its own branch) is captured by the fc1 wrapper, and the branch adds
 ``B2 @ (A2 @ swiglu(h))`` (core's ``INPUT_ACT_EAGER["swiglu"]``) to the MLP output. This is the same
@@ -46,6 +47,8 @@ import torch
 import torch.nn.functional as F
 
 from ..errors import CoverageError as TurboCoverageError
+from ..logs import log_once
+from ..runtime.core_compat import fc2_bypass_reason
 from ..runtime.layer import fusable_check
 
 log = logging.getLogger("h3_turbo")
@@ -184,12 +187,6 @@ def apply_branch_unfused_(y: torch.Tensor, x: torch.Tensor, p: TargetParams, coe
     return y
 
 
-def _is_int8_tensorwise(module) -> bool:
-    """True for a core QuantizedTensor weight in comfy-kitchen's TensorWiseINT8Layout (``_layout_cls`` is a
-    string there, as read by ``comfy.ops.linear_input_act``)."""
-    return getattr(getattr(module, "weight", None), "_layout_cls", None) == "TensorWiseINT8Layout"
-
-
 def _swiglu(h: torch.Tensor) -> torch.Tensor:
     import comfy.ops  # the same eager activation core uses for fc2's input
 
@@ -286,15 +283,19 @@ class TurboBranch:
                 return
             coef_s = self.strength
             capture: dict[str, dict] = {}
-            int8_blocks = set()
+            reasons = {}
             for t in self.targets:
-                if t.endswith(".mlp.fc2") and _is_int8_tensorwise(diffusion_model.get_submodule(t)):
-                    int8_blocks.add(t[: -len(".mlp.fc2")])
-            self.mlp_level = [f"{b}.mlp.fc2" for b in sorted(int8_blocks)]
+                if t.endswith(".mlp.fc2"):
+                    why = fc2_bypass_reason(diffusion_model.get_submodule(t))
+                    if why is not None:
+                        reasons[t[: -len(".mlp.fc2")]] = why
+            mlp_blocks = set(reasons)   # blocks whose fc2 branch runs at the MLP level
+            self.mlp_level = [f"{b}.mlp.fc2" for b in sorted(mlp_blocks)]
             self._live = live = [True]  # this injection's wrappers pass through once ejected
-            if int8_blocks:
-                log.info("Turbo LoRA %s: %d INT8 tensor-wise fc2 layers use core's fused swiglu+int8 path; their "
-                         "branch is applied at the MLP level", self.name, len(int8_blocks))
+            for why in sorted(set(reasons.values())):
+                log_once(("turbo_mlp_level", why), "Turbo LoRA %s: %d fc2 layers may be computed by core without "
+                         "their forward (%s); their branch is applied at the MLP level", self.name,
+                         sum(1 for r in reasons.values() if r == why), why)
             try:
                 for t in self.targets:
                     module = diffusion_model.get_submodule(t)
@@ -302,11 +303,11 @@ class TurboBranch:
                     idx = self._index[t]
                     coef = coef_s * p.coef
                     block = t.rsplit(".", 2)[0] if t.endswith((".mlp.fc1", ".mlp.fc2")) else None
-                    if block in int8_blocks and t.endswith(".mlp.fc2"):
+                    if block in mlp_blocks and t.endswith(".mlp.fc2"):
                         self._inject_mlp_level(diffusion_model, block, p, idx, coef,
                                                capture.setdefault(block, {}), live)
                         continue
-                    capt = block in int8_blocks and t.endswith(".mlp.fc1")
+                    capt = block in mlp_blocks and t.endswith(".mlp.fc1")
                     slot = capture.setdefault(block, {}) if capt else None
                     # the loader's NVFP4 layers compute base + branch together (kernels.dispatch.linear_with_lora),
                     # but only when nothing else wrapped the layer's forward before us

@@ -52,11 +52,12 @@ class ResidentAdapter(contracts.AdapterFileNames):
 
     key: str
     path: str
-    contract: contracts.TurboContract
+    contract: contracts.TurboContract | None
     layout: str
     key_style: str
     module: AdapterModule
     notes: list[str] = field(default_factory=list)
+    head_dim: int | None = None   # the head size its qkv rows were de-interleaved for (DiffSynth layout)
     _patcher: object = None
 
     @property
@@ -96,15 +97,16 @@ def budget_bytes() -> int:
 def _record(r: ResidentAdapter) -> None:
     state.record_resident_turbo(r.key, variant=r.variant, file=r.file, bytes=r.nbytes,
                                 device=str(r.module.param_device()), layout=r.layout,
-                                verified=bool(r.contract.extra.get("verified", False)))
+                                verified=bool(r.contract is not None and r.contract.extra.get("verified", False)))
 
 
-def get(path: str, dims: dict[str, tuple[int, int]] | None = None) -> ResidentAdapter:
+def get(path: str, dims: dict[str, tuple[int, int]] | None = None, head_dim: int | None = None) -> ResidentAdapter:
     """The resident adapter for ``path``: from the cache (by content hash) or loaded now.
 
     ``dims``: the requesting model's targets ({target: (out, in)}, see ``turbo_lora.model_target_dims``);
     when given, the adapter is validated against them and a newly loaded adapter that does not fit is
-    not cached. Raises turbo_lora.TurboLoRAError for bad files (nothing is cached then).
+    not cached. ``head_dim``: the model's head size (``turbo_lora.model_head_dim``; the DiffSynth-Studio layout
+    needs it). Raises turbo_lora.TurboLoRAError for bad files (nothing is cached then).
     """
     with _lock:
         sha = turbo_lora.cached_sha256(path)
@@ -119,13 +121,19 @@ def get(path: str, dims: dict[str, tuple[int, int]] | None = None) -> ResidentAd
             LOAD_STATS["hits"] += 1
             if os.path.realpath(hit.path) != os.path.realpath(path):
                 log.info("Turbo LoRA %s has the same content as resident %s; reusing it", path, hit.path)
+            if hit.head_dim is not None and head_dim is not None and hit.head_dim != head_dim:
+                raise turbo_lora.TurboLoRAError(
+                    f"Turbo LoRA {os.path.basename(path)!r} (DiffSynth-Studio layout) is resident with its qkv rows "
+                    f"de-interleaved for head size {hit.head_dim}, but this model's heads are {head_dim} wide: it "
+                    f"was made for another base. File: {path}")
             if dims is not None:
                 hit.validate_for(dims)
             return hit
-        lora = turbo_lora.load_turbo_lora(path, sha256=sha)
+        lora = turbo_lora.load_turbo_lora(path, sha256=sha, head_dim=head_dim)
         LOAD_STATS["loads"] += 1
         module = AdapterModule(lora)
-        res = ResidentAdapter(sha, path, lora.contract, lora.layout, lora.key_style, module, list(lora.notes))
+        res = ResidentAdapter(sha, path, lora.contract, lora.layout, lora.key_style, module, list(lora.notes),
+                              lora.head_dim)
         del lora
         if dims is not None:
             res.validate_for(dims)
@@ -133,7 +141,8 @@ def get(path: str, dims: dict[str, tuple[int, int]] | None = None) -> ResidentAd
         _record(res)
         _evict(keep=sha)
         log.info("Turbo LoRA %s loaded: %s, %d targets, %.1f MiB, contract %s (%s)", path, res.layout,
-                 len(module.targets), res.nbytes / 2**20, res.variant, res.contract.source)
+                 len(module.targets), res.nbytes / 2**20, res.variant,
+                 res.contract.source if res.contract is not None else "none determined")
         return res
 
 
@@ -229,11 +238,15 @@ def uninstall(model_patcher) -> str | None:
     return entry["adapter"]
 
 
+_FILE = object()  # install(contract=...) default: the adapter file's own contract
 _INSTALL_KEYS = ("contract", "adapter", "adapter_file", "adapter_sha256", "strength")
 
 
-def install(model_patcher, resident: ResidentAdapter, strength: float, alias: str) -> tuple:
+def install(model_patcher, resident: ResidentAdapter, strength: float, alias: str, contract=_FILE) -> tuple:
     """Install the branch of ``resident`` at ``strength`` on ``model_patcher`` (must be a CLONE).
+
+    ``contract``: the Turbo contract the MODEL carries (default: the adapter file's own, ``resident.contract``;
+    None: no contract, see ``contracts.choose``).
 
     Validates against the model's targets first (raises TurboLoRAError, nothing changed), then:
     injections (key ``h3turbo_lora``), a DIFFUSION_MODEL coverage wrapper, an OUTER_SAMPLE wrapper that
@@ -265,6 +278,7 @@ def install(model_patcher, resident: ResidentAdapter, strength: float, alias: st
     model_patcher.remove_wrappers_with_key(pe.WrappersMP.OUTER_SAMPLE, WRAPPER_KEY)
     model_patcher.add_wrapper_with_key(pe.WrappersMP.OUTER_SAMPLE, WRAPPER_KEY, branch.outer_sample_wrapper(on_start))
     model_patcher.set_additional_models(WRAPPER_KEY, [resident.patcher()])
-    contracts.attach(model_patcher, resident.contract, adapter=alias, adapter_file=resident.file,
+    contracts.attach(model_patcher, resident.contract if contract is _FILE else contract, adapter=alias,
+                     adapter_file=resident.file,
                      adapter_sha256=resident.key, strength=float(strength))
     return branch, model_patcher

@@ -14,12 +14,18 @@ Canonical form (docs/h3-facts.md#turbo-lora-layout), one entry per target
 The branch adds ``strength * (alpha / R) * B @ (A @ x)``. Accepted file layouts:
 
 - ComfyUI: ``diffusion_model.<target>.{lora_A.weight, lora_B.weight, alpha}`` (the official files), also
-  bare ``<target>.*`` keys and the PEFT ``.lora_A.default.weight`` infix;
-- Diffusers twin: ``transformer_blocks.N`` / ``token_refiner.refiner_blocks.N`` with
+  bare ``<target>.*`` keys, kohya ``lora_down`` / ``lora_up`` and kohya / musubi ``lora_unet_<target with _>``;
+- DiffSynth-Studio: core's names with the PEFT ``.lora_A.default.weight`` infix; its fused qkv B rows are
+  per-head interleaved and are de-interleaved (:func:`deinterleave_qkv_rows`, needs the model's head size);
+  alpha from tensors or ``__metadata__["alpha"]``, else refused;
+- Diffusers twin: ``transformer_blocks.N`` / ``token_refiner.refiner_blocks.N`` (optionally under
+  ``diffusion_model.`` / ``model.``, or as ``lora_unet_`` names with one alpha per module) with
   ``attn.to_q|to_k|to_v|to_out.0`` and ``ff.net.0.proj`` (rows [up; gate]) / ``ff.net.2``, PEFT
   ``.lora_A(.default).weight``; no alpha tensors: alpha = ``__metadata__["alpha"]`` (8 when absent, the
   reference trainer's default). Converted EXACTLY to the fused form (concat A, block-diagonal B,
   alpha x3 for qkv, fc1 halves swapped).
+
+Every tensor's values are checked (NaN / Inf, ``formats.values``) and every alpha must be > 0.
 
 Errors are :class:`TurboLoRAError` (a ``ValueError``) naming the file, listing the first offending keys
 and the counts.
@@ -29,6 +35,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import math
 import os
 import re
 from dataclasses import dataclass, field
@@ -50,27 +57,72 @@ _FOREIGN_MODULE_RE = re.compile(
     r"(adaln_proj|adaln_t_table|final_layer|video_patch_proj|audio_patch_proj|condition_proj|"
     r"time_embedder|norm_out|proj_out|patch_embed|time_text_embed|norm1|norm2|q_norm|k_norm)")
 
+_PART = r"(?P<part>lora_A(?:\.default)?\.weight|lora_B(?:\.default)?\.weight|lora_down\.weight|lora_up\.weight|alpha)"
+
 _COMFY_RE = re.compile(
     r"^(?:diffusion_model\.|model\.diffusion_model\.)?"
     r"(?P<block>blocks\.\d+|token_refiner\.blocks\.\d+)\."
-    r"(?P<proj>attn\.qkv_proj|attn\.out_proj|mlp\.fc1|mlp\.fc2)\."
-    r"(?P<part>lora_A(?:\.default)?\.weight|lora_B(?:\.default)?\.weight|alpha)$")
+    r"(?P<proj>attn\.qkv_proj|attn\.out_proj|mlp\.fc1|mlp\.fc2)\." + _PART + "$")
 
 _DIFF_RE = re.compile(
-    r"^(?:transformer\.|base_model\.model\.)?"
+    r"^(?:transformer\.|base_model\.model\.|diffusion_model\.|model\.)?"
     r"(?P<block>transformer_blocks\.\d+|token_refiner\.refiner_blocks\.\d+)\."
-    r"(?P<proj>attn\.to_q|attn\.to_k|attn\.to_v|attn\.to_out\.0|ff\.net\.0\.proj|ff\.net\.2)\."
-    r"(?P<part>lora_A(?:\.default)?\.weight|lora_B(?:\.default)?\.weight|alpha)$")
+    r"(?P<proj>attn\.to_q|attn\.to_k|attn\.to_v|attn\.to_out\.0|ff\.net\.0\.proj|ff\.net\.2)\." + _PART + "$")
+
+# kohya sd-scripts / musubi-tuner: "lora_unet_" + the module path with "." written as "_"
+_LORA_UNET_RE = re.compile(r"^lora_unet_(?P<body>[A-Za-z0-9_]+)\.(?P<part>lora_down\.weight|lora_up\.weight|alpha)$")
+_UNET_BODY = (
+    (re.compile(r"^(blocks|token_refiner_blocks)_(\d+)_(attn_qkv_proj|attn_out_proj|mlp_fc1|mlp_fc2)$"),
+     lambda m: f"{'blocks' if m[1] == 'blocks' else 'token_refiner.blocks'}.{m[2]}.{m[3].replace('_', '.', 1)}"),
+    (re.compile(r"^(transformer_blocks|token_refiner_refiner_blocks)_(\d+)_"
+                r"(attn_to_q|attn_to_k|attn_to_v|attn_to_out_0|ff_net_0_proj|ff_net_2)$"),
+     lambda m: (("token_refiner.refiner_blocks" if m[1].startswith("token") else "transformer_blocks") + f".{m[2]}."
+                + {"attn_to_q": "attn.to_q", "attn_to_k": "attn.to_k", "attn_to_v": "attn.to_v",
+                   "attn_to_out_0": "attn.to_out.0", "ff_net_0_proj": "ff.net.0.proj", "ff_net_2": "ff.net.2"}[m[3]])),
+)
 
 _DIFF_PROJ = {"attn.to_q": ("attn.qkv_proj", 0), "attn.to_k": ("attn.qkv_proj", 1),
               "attn.to_v": ("attn.qkv_proj", 2), "attn.to_out.0": ("attn.out_proj", None),
               "ff.net.0.proj": ("mlp.fc1", None), "ff.net.2": ("mlp.fc2", None)}
 
 
-
-
 def _part(p: str) -> str:
-    return "A" if p.startswith("lora_A") else "B" if p.startswith("lora_B") else "alpha"
+    return "A" if p.startswith(("lora_A", "lora_down")) else "B" if p.startswith(("lora_B", "lora_up")) else "alpha"
+
+
+def parse_key(k: str) -> tuple[str, str, str, str, str | None] | None:
+    """(family, block, proj, part, style) of one adapter key in any accepted layout, or None (module doc).
+
+    family "comfy" (core's module names) or "diffusers"; part "A" (lora_A / lora_down), "B" (lora_B /
+    lora_up) or "alpha"; style names the key layout: "diffusion_model." /
+    "bare" (core names), "diffsynth" (core names with the PEFT ``.default.`` infix), "kohya" (``lora_down`` /
+    ``lora_up``), "lora_unet" (kohya / musubi ``lora_unet_`` names), "diffusers"; None for a dotted ``alpha``
+    key (it fits any of them).
+    """
+    style = None
+    m = _LORA_UNET_RE.match(k)
+    if m:
+        dotted = next((f(mm) for rx, f in _UNET_BODY if (mm := rx.match(m["body"]))), None)
+        if dotted is None:
+            return None
+        k, style = f"{dotted}.{m['part']}", "lora_unet"
+    m = _COMFY_RE.match(k) or _DIFF_RE.match(k)
+    if m is None:
+        return None
+    family = "comfy" if m.re is _COMFY_RE else "diffusers"
+    part = m["part"]
+    if style is None:
+        if part == "alpha":
+            style = None          # neutral: an alpha key says nothing about the A/B key style
+        elif ".default." in part and family == "comfy":
+            style = "diffsynth"
+        elif part in ("lora_down.weight", "lora_up.weight"):
+            style = "kohya"
+        elif family == "diffusers":
+            style = "diffusers"
+        else:
+            style = "diffusion_model." if k.startswith(("diffusion_model.", "model.diffusion_model.")) else "bare"
+    return family, m["block"], m["proj"], _part(part), style
 
 
 def _listing(title: str, items: list[str]) -> str:
@@ -116,6 +168,13 @@ def model_target_dims(diffusion_model) -> dict[str, tuple[int, int]]:
     return out
 
 
+def model_head_dim(diffusion_model) -> int | None:
+    """The attention head size of an H3 ``diffusion_model`` (core's ``blocks[0].attn.head_dim``), or None."""
+    blocks = getattr(diffusion_model, "blocks", None)
+    hd = getattr(getattr(blocks[0], "attn", None), "head_dim", None) if blocks else None
+    return int(hd) if hd is not None else None
+
+
 @dataclass
 class TargetLoRA:
     """One target in canonical form. ``A`` bf16 [R, in]; ``B`` bf16 [out, R]; ``alpha`` (float); R = rank.
@@ -154,8 +213,9 @@ class TargetLoRA:
 class TurboLoRA(contracts.AdapterFileNames):
     """A Turbo LoRA file in canonical form. ``targets``: {target: TargetLoRA}; ``nbytes``: tensor bytes.
 
-    ``layout``: "comfy" or "diffusers" (converted); ``key_style``: "diffusion_model." / "bare" / "peft" /
-    "diffusers"; ``contract``: the TurboContract (variant "unknown" when none could be derived).
+    ``layout``: "comfy", "diffsynth" or "diffusers" (converted); ``key_style``: see :func:`parse_key`;
+    ``contract``: the TurboContract, or None when it cannot be determined (not an official file, no contract
+    metadata).
     """
 
     path: str
@@ -164,9 +224,10 @@ class TurboLoRA(contracts.AdapterFileNames):
     metadata: dict[str, str]
     layout: str
     key_style: str
-    contract: contracts.TurboContract
+    contract: contracts.TurboContract | None
     nbytes: int
     notes: list[str] = field(default_factory=list)
+    head_dim: int | None = None     # the head size qkv rows were de-interleaved for (DiffSynth layout), else None
 
     def validate_for(self, dims: dict[str, tuple[int, int]]) -> None:
         """Check this adapter against a model's targets ``{target: (out, in)}`` (see :func:`model_target_dims`).
@@ -274,9 +335,9 @@ def read_header(path: str) -> tuple[dict[str, dict], dict[str, str]]:
 # ---------------------------------------------------------------------------------------------
 # Contracts
 # ---------------------------------------------------------------------------------------------
-def contract_for(path: str, metadata: dict[str, str], sha: str | None) -> contracts.TurboContract:
+def contract_for(path: str, metadata: dict[str, str], sha: str | None) -> contracts.TurboContract | None:
     """The Turbo contract of a file: known artifact by SHA-256, else by file name, else from the
-    ``h3_turbo_fixture`` metadata JSON (source "metadata"), else variant "unknown".
+    ``h3_turbo_fixture`` metadata JSON (source "metadata"), else None (no contract can be determined).
 
     A file named like an official artifact whose published SHA-256 differs gets the official contract
     with ``extra={"verified": False}`` and a warning (the alpha check still applies).
@@ -307,7 +368,7 @@ def contract_for(path: str, metadata: dict[str, str], sha: str | None) -> contra
         ts = metadata.get("training_scale")
         return contracts.TurboContract(f"{nfe}step", nfe, sv, sa, float(ts) if ts else None, name, sha,
                                        "metadata", {"verified": False})
-    return contracts.TurboContract("unknown", 0, 0.0, 0.0, None, name, sha, "unknown", {"verified": False})
+    return None
 
 
 def _with(c: contracts.TurboContract, **kw) -> contracts.TurboContract:
@@ -355,28 +416,29 @@ def _header_variant(path: str) -> str | None:
 # ---------------------------------------------------------------------------------------------
 def classify_keys(keys, path: str) -> tuple[str, str, dict]:
     """Map file keys to targets. Returns (layout, key_style, mapping) where mapping is
-    {target: {"A"|"B"|"alpha" or ("A", j)...: key}}. Raises TurboLoRAError for foreign/unknown keys.
+    {target: {"A"|"B"|"alpha" or ("A", j)...: key}}; layout "comfy", "diffsynth" (core's names with the PEFT
+    ``.default.`` infix: per-head interleaved qkv rows) or "diffusers"; key_style from :func:`parse_key`
+    (or "mixed"). Raises TurboLoRAError for foreign/unknown keys and for files that mix layouts.
     """
     comfy: dict = {}
     diff: dict = {}
     foreign, unknown = [], []
     styles = set()
     for k in keys:
-        m = _COMFY_RE.match(k)
-        if m:
-            t = f"{m['block']}.{m['proj']}"
-            comfy.setdefault(t, {})[_part(m["part"])] = k
-            styles.add("peft" if ".default." in k else "diffusion_model." if "diffusion_model." in k else "bare")
+        parsed = parse_key(k)
+        if parsed is None:
+            (foreign if _FOREIGN_MODULE_RE.search(k) else unknown).append(k)
             continue
-        m = _DIFF_RE.match(k)
-        if m:
-            blk = m["block"].replace("transformer_blocks.", "blocks.").replace(
+        family, block, proj, part, style = parsed
+        if style is not None:
+            styles.add(style)
+        if family == "comfy":
+            comfy.setdefault(f"{block}.{proj}", {})[part] = k
+        else:
+            blk = block.replace("transformer_blocks.", "blocks.").replace(
                 "token_refiner.refiner_blocks.", "token_refiner.blocks.")
-            proj, j = _DIFF_PROJ[m["proj"]]
-            part = _part(m["part"])
+            proj, j = _DIFF_PROJ[proj]
             diff.setdefault(f"{blk}.{proj}", {})[part if j is None else (part, j)] = k
-            continue
-        (foreign if _FOREIGN_MODULE_RE.search(k) else unknown).append(k)
     fname = os.path.basename(path)
     if foreign:
         raise TurboLoRAError(
@@ -394,11 +456,23 @@ def classify_keys(keys, path: str) -> tuple[str, str, dict]:
                              f"({len(diff)} targets); refusing an ambiguous file. File: {path}")
     if not comfy and not diff:
         raise TurboLoRAError(f"Turbo LoRA {fname!r} has no LoRA tensors. File: {path}")
+    if "diffsynth" in styles and len(styles) > 1:
+        raise TurboLoRAError(f"Turbo LoRA {fname!r} mixes DiffSynth-Studio keys (.default. infix, per-head "
+                             f"interleaved qkv) with other key styles ({', '.join(sorted(styles - {'diffsynth'}))}); "
+                             f"refusing an ambiguous file. File: {path}")
+    style = styles.pop() if len(styles) == 1 else "mixed" if styles else "bare"
     if comfy:
-        style = "peft" if "peft" in styles else ("diffusion_model." if styles == {"diffusion_model."} else
-                                                 "bare" if styles == {"bare"} else "mixed")
-        return "comfy", style, comfy
-    return "diffusers", "diffusers", diff
+        return ("diffsynth" if style == "diffsynth" else "comfy"), style, comfy
+    return "diffusers", style, diff
+
+
+def deinterleave_qkv_rows(B: torch.Tensor, head_dim: int) -> torch.Tensor:
+    """qkv rows per head ``[h0: q k v, h1: q k v, ...]`` (the raw MiniMax / DiffSynth-Studio order) ->
+    ``[q_all; k_all; v_all]`` (core's order). B: [3 * heads * head_dim, R]; a row permutation (exact)."""
+    n = B.shape[0]
+    if head_dim <= 0 or n % (3 * head_dim):
+        raise ValueError(f"qkv B has {n} rows, not a multiple of 3 x head_dim {head_dim}")
+    return B.reshape(n // (3 * head_dim), 3, head_dim, *B.shape[1:]).transpose(0, 1).reshape(B.shape)
 
 
 def _alpha_value(t: torch.Tensor, key: str, path: str) -> float:
@@ -419,14 +493,29 @@ def _is_block_diag3(B: torch.Tensor) -> bool:
     return not bool(B[mask].any())
 
 
-def canonicalize(tensors: dict[str, torch.Tensor], metadata: dict[str, str], path: str
+def _metadata_alpha(metadata: dict[str, str], fname: str, path: str) -> float | None:
+    if "alpha" not in metadata:
+        return None
+    try:
+        return float(metadata["alpha"])
+    except ValueError as e:
+        raise TurboLoRAError(f"Turbo LoRA {fname!r}: __metadata__['alpha'] = {metadata['alpha']!r} is "
+                             f"not a number. File: {path}") from e
+
+
+def canonicalize(tensors: dict[str, torch.Tensor], metadata: dict[str, str], path: str, head_dim: int | None = None
                  ) -> tuple[dict[str, TargetLoRA], str, str, list[str]]:
     """Turn a file's tensors into canonical targets. Returns (targets, layout, key_style, notes).
 
-    Checks per target: A and B present, A 2-D [R, in], B 2-D [out, R] with matching R, alpha present
-    (ComfyUI layout) and scalar, alpha/R equal to ``__metadata__["training_scale"]`` when present.
-    Raises ONE TurboLoRAError listing every problem found.
+    ``head_dim``: the model's attention head size, needed only for the DiffSynth-Studio layout (its fused
+    qkv B rows are per-head interleaved and are de-interleaved, :func:`deinterleave_qkv_rows`).
+    Checks: every tensor's values finite (``formats.values.problems``, the checkpoints' check); per target
+    A and B present, A 2-D [R, in], B 2-D [out, R] with matching R, alpha present (ComfyUI layout), scalar
+    and > 0 (0 would switch the target off, a negative alpha flip its sign), alpha/R equal to
+    ``__metadata__["training_scale"]`` when present. Raises ONE TurboLoRAError listing every problem found.
     """
+    from ..formats import values
+
     fname = os.path.basename(path)
     layout, style, mapping = classify_keys(tensors.keys(), path)
     notes: list[str] = []
@@ -435,28 +524,35 @@ def canonicalize(tensors: dict[str, torch.Tensor], metadata: dict[str, str], pat
     def bad(kind, item):
         problems.setdefault(kind, []).append(item)
 
+    for k, t in tensors.items():
+        for p in values.problems(t):
+            bad("tensors with NaN or Inf values", f"{k}: {p}")
+
+    def alpha_of(parts, part, t):
+        return _alpha_value(tensors[parts[part]], parts[part], path)
+
     out: dict[str, TargetLoRA] = {}
     if layout == "diffusers":
-        if "alpha" in metadata:
-            try:
-                alpha_r = float(metadata["alpha"])
-            except ValueError as e:
-                raise TurboLoRAError(f"Turbo LoRA {fname!r}: __metadata__['alpha'] = {metadata['alpha']!r} is "
-                                     f"not a number. File: {path}") from e
-        else:
-            alpha_r = DIFFUSERS_DEFAULT_ALPHA
-            notes.append(f"Diffusers twin without __metadata__['alpha']: alpha {alpha_r:g} (reference default)")
-            log.warning("Turbo LoRA %s: Diffusers layout without __metadata__['alpha']; using the reference "
-                        "trainer default alpha %g", path, alpha_r)
+        per_module = style in ("kohya", "lora_unet")   # these write one alpha tensor per module
+        alpha_r = None
+        if not per_module:
+            alpha_r = _metadata_alpha(metadata, fname, path)
+            if alpha_r is None:
+                alpha_r = DIFFUSERS_DEFAULT_ALPHA
+                notes.append(f"Diffusers twin without __metadata__['alpha']: alpha {alpha_r:g} (reference default)")
+                log.warning("Turbo LoRA %s: Diffusers layout without __metadata__['alpha']; using the reference "
+                            "trainer default alpha %g", path, alpha_r)
         for t, parts in mapping.items():
-            if any(p == "alpha" or (isinstance(p, tuple) and p[0] == "alpha") for p in parts):
+            has_alpha = any(p == "alpha" or (isinstance(p, tuple) and p[0] == "alpha") for p in parts)
+            if has_alpha and not per_module:
                 bad("alpha tensors in a Diffusers layout (alpha must come from __metadata__)", t)
                 continue
             qkv = t.endswith("attn.qkv_proj")
-            need = [("A", j) for j in range(3)] + [("B", j) for j in range(3)] if qkv else ["A", "B"]
+            need = ([(x, j) for x in ("A", "B") + (("alpha",) if per_module else ()) for j in range(3)] if qkv
+                    else ["A", "B"] + (["alpha"] if per_module else []))
             miss = [p for p in need if p not in parts]
             if miss:
-                bad("targets with missing lora_A/lora_B tensors", f"{t} (missing {miss})")
+                bad("targets with missing lora_A/lora_B (or alpha) tensors", f"{t} (missing {miss})")
                 continue
             if qkv:
                 As = [tensors[parts[("A", j)]] for j in range(3)]
@@ -466,9 +562,17 @@ def canonicalize(tensors: dict[str, torch.Tensor], metadata: dict[str, str], pat
                     bad("inconsistent q/k/v shapes", f"{t}: " + ", ".join(
                         f"A {list(a.shape)} B {list(b.shape)}" for a, b in zip(As, Bs)))
                     continue
+                if per_module:
+                    qa = [alpha_of(parts, ("alpha", j), t) for j in range(3)]
+                    if len(set(qa)) != 1:
+                        bad("q/k/v alphas that differ (one fused qkv target needs one alpha/rank)",
+                            f"{t}: {', '.join(f'{a:g}' for a in qa)}")
+                        continue
+                    alpha = 3.0 * qa[0]
+                else:
+                    alpha = 3.0 * alpha_r
                 A = torch.cat(As, 0)
                 B = torch.block_diag(*Bs)
-                alpha = 3.0 * alpha_r
             else:
                 A, B = tensors[parts["A"]], tensors[parts["B"]]
                 if t.endswith("mlp.fc1"):
@@ -477,19 +581,38 @@ def canonicalize(tensors: dict[str, torch.Tensor], metadata: dict[str, str], pat
                         continue
                     h = B.shape[0] // 2
                     B = torch.cat([B[h:], B[:h]], 0)  # Diffusers [value; gate] -> ComfyUI [gate; value]
-                alpha = alpha_r
+                alpha = alpha_of(parts, "alpha", t) if per_module else alpha_r
             out[t] = TargetLoRA(A.to(torch.bfloat16).contiguous(), B.to(torch.bfloat16).contiguous(), alpha)
     else:
+        meta_alpha = _metadata_alpha(metadata, fname, path) if layout == "diffsynth" else None
+        if layout == "diffsynth" and head_dim is None:
+            raise TurboLoRAError(
+                f"Turbo LoRA {fname!r} is in the DiffSynth-Studio layout (core's module names with the PEFT "
+                f".default. infix), whose fused qkv B rows are interleaved per attention head; de-interleaving "
+                f"them needs the model's head size (apply it with Apply H3 Turbo LoRA). File: {path}")
         for t, parts in mapping.items():
-            miss = [p for p in ("A", "B", "alpha") if p not in parts]
+            miss = [p for p in ("A", "B") if p not in parts]
+            if "alpha" not in parts and meta_alpha is None:
+                miss.append("alpha")
             if miss:
                 names = {"A": "lora_A.weight", "B": "lora_B.weight", "alpha": "alpha"}
-                bad("targets without rank/alpha (missing lora_A, lora_B or alpha)",
-                    f"{t} (missing {'/'.join(names[m] for m in miss)})")
+                kind = ("targets without alpha (DiffSynth-Studio layout: no alpha tensors and no __metadata__['alpha']"
+                        "; the alpha it was trained with is not in the file)" if miss == ["alpha"] and
+                        layout == "diffsynth" else "targets without rank/alpha (missing lora_A, lora_B or alpha)")
+                bad(kind, f"{t} (missing {'/'.join(names[m] for m in miss)})")
                 continue
+            B = tensors[parts["B"]]
+            if layout == "diffsynth" and t.endswith("attn.qkv_proj"):
+                try:
+                    B = deinterleave_qkv_rows(B, head_dim)
+                except ValueError as e:
+                    bad("qkv B rows that cannot be de-interleaved", f"{t}: {e}")
+                    continue
+            alpha = alpha_of(parts, "alpha", t) if "alpha" in parts else meta_alpha
             out[t] = TargetLoRA(tensors[parts["A"]].to(torch.bfloat16).contiguous(),
-                                tensors[parts["B"]].to(torch.bfloat16).contiguous(),
-                                _alpha_value(tensors[parts["alpha"]], parts["alpha"], path))
+                                B.to(torch.bfloat16).contiguous(), alpha)
+        if layout == "diffsynth":
+            notes.append(f"DiffSynth-Studio layout: qkv B rows de-interleaved per head (head_dim {head_dim})")
     # shapes, rank, alpha consistency
     ts = metadata.get("training_scale")
     try:
@@ -503,8 +626,11 @@ def canonicalize(tensors: dict[str, torch.Tensor], metadata: dict[str, str], pat
             bad("A/B shapes that are not [R, in] / [out, R]", f"{t}: A {list(A.shape)} B {list(B.shape)}")
             out.pop(t)
             continue
-        if not (tl.alpha == tl.alpha) or tl.alpha == float("inf"):
+        if not math.isfinite(tl.alpha):
             bad("non-finite alpha", f"{t}: {tl.alpha}")
+        elif tl.alpha <= 0:
+            bad("alpha <= 0 (0 switches the target off, a negative alpha flips the sign of its delta; "
+                "expected alpha > 0)", f"{t}: alpha {tl.alpha:g}")
         if ts_val is not None and abs(tl.scale - ts_val) > 1e-6 * max(1.0, abs(ts_val)):
             bad("alpha/rank disagreeing with __metadata__ training_scale "
                 f"{ts_val:g}", f"{t}: alpha {tl.alpha:g} / rank {tl.rank} = {tl.scale:g}")
@@ -517,15 +643,15 @@ def canonicalize(tensors: dict[str, torch.Tensor], metadata: dict[str, str], pat
         parts_ = [_listing(k, v) for k, v in problems.items()]
         raise TurboLoRAError(f"Turbo LoRA {fname!r} is not valid: " + "; ".join(parts_) + f". File: {path}")
     nd = [n for n in notes if "not block-diagonal" in n]
-    if nd:
+    if nd and layout != "diffsynth":   # DiffSynth trains one fused qkv LoRA: full-rank B is expected there
         log.warning("Turbo LoRA %s: %d fused qkv targets are not block-diagonal (applied at full rank), e.g. %s",
                     path, len(nd), nd[0])
     return out, layout, style, notes
 
 
-def check_contract_alpha(targets: dict[str, TargetLoRA], contract: contracts.TurboContract, path: str) -> None:
+def check_contract_alpha(targets: dict[str, TargetLoRA], contract: contracts.TurboContract | None, path: str) -> None:
     """Raise TurboLoRAError when a known artifact's expected alpha/rank differs from the file's (any target)."""
-    exp = contract.alpha_over_rank
+    exp = contract.alpha_over_rank if contract is not None else None
     if exp is None or contract.source != "known-artifact":
         return
     bad = [f"{t}: {tl.scale:g}" for t, tl in targets.items() if abs(tl.scale - exp) > 1e-6 * max(1.0, exp)]
@@ -536,10 +662,11 @@ def check_contract_alpha(targets: dict[str, TargetLoRA], contract: contracts.Tur
             f"file: it would be applied at the wrong strength. File: {path}")
 
 
-def load_turbo_lora(path: str, sha256: str | None = None) -> TurboLoRA:
+def load_turbo_lora(path: str, sha256: str | None = None, head_dim: int | None = None) -> TurboLoRA:
     """Read, validate (model-independent checks), convert and recognize a Turbo LoRA file.
 
-    ``sha256``: the file's SHA-256 when already known (else computed, cached per process).
+    ``sha256``: the file's SHA-256 when already known (else computed, cached per process). ``head_dim``: the
+    model's attention head size (:func:`model_head_dim`), used only by the DiffSynth-Studio layout.
     Model-dependent checks: :meth:`TurboLoRA.validate_for`. Raises TurboLoRAError.
     """
     from safetensors import safe_open
@@ -552,15 +679,18 @@ def load_turbo_lora(path: str, sha256: str | None = None) -> TurboLoRA:
     with safe_open(path, framework="pt", device="cpu") as f:
         for k in f.keys():
             tensors[k] = f.get_tensor(k)
-    targets, layout, style, notes = canonicalize(tensors, metadata, path)
+    targets, layout, style, notes = canonicalize(tensors, metadata, path, head_dim=head_dim)
     del tensors
     contract = contract_for(path, metadata, sha)
     check_contract_alpha(targets, contract, path)
-    if contract.variant == "unknown":
-        log.warning("Turbo LoRA %s: not a known official artifact and no contract metadata; contract 'unknown' "
-                    "(the sampler will not enforce steps/shifts)", path)
+    if contract is None:
+        log.warning("Turbo LoRA %s: not a known official artifact and no contract metadata, so it carries no Turbo "
+                    "contract: H3 Turbo Sigmas needs steps > 0 and uses the model's shift, and the sampler enforces "
+                    "nothing (pick variant 4step/8step on Apply H3 Turbo LoRA to sample it under an official "
+                    "contract)", path)
     nbytes = sum(tl.A.numel() * tl.A.element_size() + tl.B.numel() * tl.B.element_size() for tl in targets.values())
-    return TurboLoRA(path, sha, targets, metadata, layout, style, contract, nbytes, notes)
+    return TurboLoRA(path, sha, targets, metadata, layout, style, contract, nbytes, notes,
+                     head_dim if layout == "diffsynth" else None)
 
 
 def alias_table(files: dict[str, str]) -> dict[str, str]:

@@ -25,7 +25,7 @@ from typing import Callable, Iterator
 import torch
 
 from ..model_facts import NEVER_QUANTIZE
-from . import registry
+from . import registry, values
 from .detect import Detection, detect
 from .safetensors_io import CheckpointError, open_tensors, read_header
 from .schemes.base import NATIVE_MARKER, NATIVE_SUFFIXES, marker_tensor  # noqa: F401 (re-exported)
@@ -93,13 +93,16 @@ def make_plan(det: Detection, include=None, exclude=None, nibble_order: str | No
     return Plan(det, [], list(det.quant_layers), no, sl)
 
 
-def iter_native(plan: Plan, progress: Callable[[int, int], None] | None = None,
-                device: str | torch.device = "cpu") -> Iterator[tuple[str, torch.Tensor]]:
+def iter_native(plan: Plan, progress: Callable[[int, int], None] | None = None, device: str | torch.device = "cpu",
+                drop: set[str] = frozenset()) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield the native checkpoint as ``(key, tensor)`` (no prefix), reading the input tensor by tensor.
 
     ``progress(done, total)`` is called after each quantized/converted layer. ``device`` is where
     quantization math runs (results are moved back to CPU; the cuda math is the same fp32 IEEE
-    sequence, but bit-identity to comfy-kitchen is tested on CPU only).
+    sequence, but bit-identity to comfy-kitchen is tested on CPU only). Every tensor read is value-checked
+    (:mod:`h3_turbo.formats.values`): a NaN / Inf value or a negative block scale raises
+    :class:`CheckpointError` naming the tensor, before its layer is yielded. ``drop``: layer stems left out
+    (not read).
     """
     det = plan.det
     work = set(plan.quantize) | set(plan.convert)
@@ -114,9 +117,12 @@ def iter_native(plan: Plan, progress: Callable[[int, int], None] | None = None,
             stems_suffixes.setdefault(stem, set()).add(suf)
     emitted: set[str] = set()
     markers = det.scheme.other_layer_markers(det)
-    with open_tensors(det.path, header=hdr) as f:
+    with open_tensors(det.path, header=hdr) as raw:
+        f = values.CheckedReader(raw, det.path, values.block_scale_keys(det))
         for k in keys:
             stem, _, suf = k.rpartition(".")
+            if stem in drop:
+                continue
             if stem in work:
                 if stem in emitted:
                     continue
@@ -230,10 +236,12 @@ def write_native(in_path: str, out_path: str, include=None, exclude=None, nibble
                  progress=None, device="cpu") -> Plan:
     """Convert or quantize ``in_path`` into a ComfyUI-native NVFP4 file at ``out_path`` (streaming).
 
-    Raises :class:`CheckpointError` for damaged / non-H3 input and refuses ``out_path == in_path``.
+    Raises :class:`CheckpointError` for damaged / non-H3 input and refuses an ``out_path`` that is the input
+    file itself, by file identity (``os.path.samefile``: also through symlinks, hard links or ``..``).
     """
-    if os.path.abspath(in_path) == os.path.abspath(out_path):
-        raise CheckpointError(in_path, "output path equals the input path", expected="a different file")
+    if os.path.exists(out_path) and os.path.exists(in_path) and os.path.samefile(in_path, out_path):
+        raise CheckpointError(in_path, f"the output {out_path} is this same file (compared by file identity, "
+                                       "through links)", expected="a different output file")
     if os.path.isdir(out_path):
         raise CheckpointError(out_path, "output path is a directory", expected="a file name, e.g. DIR/model_nvfp4.safetensors")
     out_dir = os.path.dirname(os.path.abspath(out_path))

@@ -6,8 +6,8 @@ scheme object that claimed it (:mod:`h3_turbo.formats.registry`), the key prefix
 the shapes, one :class:`QuantLayer` per NVFP4 layer and every validation finding. It never raises for
 content problems (they become findings; ``Detection.raise_if_errors()`` raises one
 :class:`CheckpointError`), only when the file cannot be read. It reads tensor data only for tiny tensors
-(per-layer ``comfy_quant`` JSON and scalar scales, at most :data:`SMALL_NUMEL` elements each); block
-scales are checked by :func:`check_block_scales`.
+(per-layer ``comfy_quant`` JSON and scalar scales, at most :data:`SMALL_NUMEL` elements each); the values
+of every tensor (NaN, Inf, negative block scales) are checked by :func:`check_block_scales`.
 
 The formats and how detection decides between them: ``docs/formats.md``; each format's layout is in its
 module under ``formats/schemes/``. Adding one: ``docs/EXTENDING.md``.
@@ -18,7 +18,8 @@ import json
 import re
 from dataclasses import dataclass, field
 
-from ..model_facts import FP32_ISLAND, KEY_PREFIXES, NEVER_QUANTIZE, PROJECTIONS  # noqa: F401 (re-exported)
+from ..model_facts import (DEPTH, FP32_ISLAND, KEY_PREFIXES, NEVER_QUANTIZE, PROJECTIONS,  # noqa: F401 (re-exported)
+                           REFINER_DEPTH)
 from . import registry
 from . import nvfp4
 from .nvfp4 import roundup
@@ -99,6 +100,8 @@ class Detection:
     other_quant: set = field(default_factory=set)   # stems quantized in a non-nvfp4 core format
     scheme: Scheme = UNCLAIMED
     evidence: Evidence | None = None
+    value_scan: object = None   # formats.values.ScanResult after check_block_scales (inspect)
+    unused_stems: set = field(default_factory=set)  # layers the loader leaves out (VSA gates: core ignores them)
 
     @property
     def is_native(self) -> bool:
@@ -176,6 +179,27 @@ def _looks_like(keys: set[str]) -> str:
     if anyp(r"^(encoder|decoder)\.") and not anyp(r"blocks\.\d+\.attn"):
         return "a VAE (load it with VAELoader)"
     return "unknown (no video_patch_proj/audio_patch_proj: not MiniMax H3)"
+
+
+_BLOCK_KEY = re.compile(r"^((?:token_refiner\.)?blocks\.\d+)\.")
+#: VSA (FastVideo video sparse attention) compression gates in core's names (newer core builds and ignores them)
+VSA_GATE = re.compile(r"^(blocks|token_refiner\.blocks)\.\d+\.attn\.to_gate_compress\.weight$")
+
+
+def _natural_key(s: str):
+    return [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", s)]
+
+
+def _spans(pfx: str, idx: list[int]) -> str:
+    """Sorted indices as "<pfx>a..b, <pfx>c" runs (e.g. "blocks.25..49")."""
+    runs, start = [], None
+    for i, v in enumerate(idx):
+        if start is None:
+            start = v
+        if i + 1 == len(idx) or idx[i + 1] != v + 1:
+            runs.append(f"{pfx}{start}" + (f"..{v}" if v != start else ""))
+            start = None
+    return ", ".join(runs)
 
 
 def _count_blocks(keys: set[str], pfx: str) -> tuple[int, list[int]]:
@@ -289,16 +313,39 @@ def _detect_config(det: Detection, T: dict[str, TensorInfo]) -> H3Config | None:
     heads = qkv_n // (3 * head_dim)
     layers, idx = _count_blocks(keys, "blocks.")
     rlayers, ridx = _count_blocks(keys, "token_refiner.blocks.")
-    if idx != list(range(layers)):
-        det.error(f"DiT block indices are not 0..{layers - 1}: missing {sorted(set(range(max(idx) + 1)) - set(idx))}")
-    if ridx != list(range(rlayers)):
-        det.error(f"refiner block indices are not contiguous: {ridx}")
+    for what, pfx, have, depth in (("DiT", "blocks.", idx, DEPTH), ("token refiner", "token_refiner.blocks.", ridx,
+                                                                    REFINER_DEPTH)):
+        holes = sorted(set(range(max(have) + 1)) - set(have)) if have else []
+        if holes:
+            det.error(f"{what} blocks missing: {_spans(pfx, holes)} (the file has {pfx}0..{max(have)} except "
+                      f"these; a checkpoint shard missing?); core would build only {pfx}0..{holes[0] - 1} and "
+                      f"ignore the rest")
+        elif len(have) != depth:
+            gone = f": {_spans(pfx, list(range(len(have), depth)))} absent (a checkpoint shard missing?)" \
+                if len(have) < depth else ""
+            det.warn(f"{len(have)} {what} blocks, MiniMax H3 has {depth}{gone}; the model is built "
+                     f"{len(have)} blocks deep")
     form = "pruned" if "adaln_t_table" in keys else "unpruned"
+    # with holes, validate every index up to the last one present (the holes themselves are one error above)
+    layers, rlayers = (max(idx) + 1 if idx else 0), (max(ridx) + 1 if ridx else 0)
     cfg = H3Config(hidden=hidden, heads=heads, head_dim=head_dim, ffn=fc1_n // 2, layers=layers,
                    refiner_layers=rlayers, text_dim=cp[1], latents_dim=vo[0] // 4, audio_latents_dim=ao[0],
                    form=form)
     if app[0] != hidden:
         det.error(f"audio_patch_proj has {app[0]} rows but hidden is {hidden}", "audio_patch_proj.weight")
+    if vpp[1] and vo[0] != vpp[1] and vo[0] % vpp[1] == 0:
+        n = vo[0] // vpp[1]
+        det.error(f"final_layer.video_out has {vo[0]} rows = {n} x {vpp[1]} (video_patch_proj's input width): a PDD "
+                  f"head-bank checkpoint ({n} output heads per stream, which newer core's FinalLayer blends per step "
+                  f"from the sampler's sigma schedule). This loader does not support PDD head banks; load the file "
+                  f"with core's UNETLoader on a core that has them", "final_layer.video_out.weight")
+    gates = {k[:-len(".weight")] for k in keys if VSA_GATE.match(k)}
+    if gates:
+        det.unused_stems |= gates
+        det.warn(f"{len(gates)} blocks carry attn.to_gate_compress (the compression gate of FastVideo's VSA, video "
+                 f"sparse attention; e.g. {min(gates, key=_natural_key)}): neither core nor this pack runs VSA, and "
+                 f"core's own dense H3 forward ignores the gate, so the loader leaves it out and the model runs "
+                 f"dense attention")
     if cfg.latents_dim != 24 or cfg.audio_latents_dim != 32:
         det.warn(f"latent channels video {cfg.latents_dim} / audio {cfg.audio_latents_dim} differ from H3's 24 / 32")
     if cfg.text_dim == hidden:
@@ -345,7 +392,10 @@ def _validate_metadata_config(det: Detection, cfg: H3Config) -> None:
 
 def _validate_blocks(det: Detection, T: dict[str, TensorInfo], cfg: H3Config) -> None:
     shapes = cfg.projection_shapes()
+    have = {m.group(1) for k in T if (m := _BLOCK_KEY.match(k))}
     for b in cfg.block_prefixes():
+        if b not in have:
+            continue   # a hole in the block indices: reported once by _detect_config
         for p, (n, k) in shapes.items():
             stem = f"{b}.{p}"
             key = f"{stem}.weight"
@@ -391,24 +441,17 @@ def _validate_blocks(det: Detection, T: dict[str, TensorInfo], cfg: H3Config) ->
 
 
 def check_block_scales(path: str, det: Detection, max_report: int = 8) -> list[Finding]:
-    """Read every NVFP4 layer's block scales and flag NaN (e4m3 0x7F/0xFF) or negative scales.
+    """Read every tensor of the file (under its prefix) once and check its values with
+    :func:`h3_turbo.formats.values.scan`: NaN / Inf in float tensors, NaN (e4m3 0x7F/0xFF) or negative NVFP4
+    block scales. (The name predates the full scan.) Appends one error finding per problem (at most
+    ``max_report`` tensors, then one finding with the count of the rest) to ``det.findings``, returns them."""
+    from . import values
 
-    Appends the findings to ``det.findings`` and returns them. Reads ~N*K/16 bytes per layer.
-    """
-    out: list[Finding] = []
-    with open_tensors(path) as f:
-        for s in det.quant_layers:
-            key = det.prefix + s + ".weight_scale"
-            try:
-                b = f.get_tensor(key)
-            except Exception:
-                continue
-            nan, neg = nvfp4.bad_scale_counts(b)
-            if nan:
-                out.append(Finding("error", f"{nan} block scales are NaN (e4m3 0x7F/0xFF; expected finite)", key))
-            if neg:
-                out.append(Finding("error", f"{neg} block scales are negative (expected >= 0)", key))
-            if len(out) >= max_report:
-                break
+    res = values.scan(path, det, max_report=max_report)
+    out = [Finding("error", msg, key) for key, msg in res.bad]
+    shown = len({k for k, _ in res.bad})
+    if res.bad_tensors > shown:
+        out.append(Finding("error", f"{res.bad_tensors - shown} more tensors with bad values"))
     det.findings.extend(out)
+    det.value_scan = res
     return out

@@ -148,7 +148,8 @@ def quantize(w: torch.Tensor, scale: torch.Tensor | None = None, chunk_rows: int
         raise ValueError(f"NVFP4 quantize needs a 2-D weight, got shape {tuple(w.shape)}")
     if chunk_rows % 128:
         raise ValueError("chunk_rows must be a multiple of 128")
-    if not bool(torch.isfinite(w).all()):
+    lo, hi = torch.aminmax(w) if w.numel() else (torch.zeros(()), torch.zeros(()))
+    if not (bool(torch.isfinite(lo)) and bool(torch.isfinite(hi))):
         raise ValueError("NVFP4 quantize: the weight has NaN or Inf values")
     if scale is None:
         scale = torch.amax(w.abs()) / (F8_E4M3_MAX * F4_E2M1_MAX)

@@ -7,7 +7,7 @@ import os
 import torch
 from comfy_api.latest import io
 
-from . import CATEGORY
+from . import CATEGORY, checks
 
 log = logging.getLogger("h3_turbo")
 
@@ -29,26 +29,30 @@ class H3TurboTestConditioning(io.ComfyNode):
     It carries no meaning; for real prompts use core's MiniMaxH3ImageToVideo with the text encoder.
     """
 
+    DISPLAY = "H3 Turbo Test Conditioning (no text encoder)"
+    NUMBERS = {"seed": checks.Number("int", 0, 0, 2**31 - 1), "tokens": checks.Number("int", 16, 1, 4096)}
+
     @classmethod
     def define_schema(cls):
         return io.Schema(
             node_id="H3TurboTestConditioning",
-            display_name="H3 Turbo Test Conditioning (no text encoder)",
+            display_name=cls.DISPLAY,
             category=CATEGORY,
             description="Seeded random text conditioning in the H3 model's text width, for runs without "
                         "the 32 B text encoder. Not a prompt: use MiniMaxH3ImageToVideo for real prompts.",
             inputs=[
                 io.Model.Input("model"),
-                io.Int.Input("seed", default=0, min=0, max=2**31 - 1, control_after_generate=io.ControlAfterGenerate.fixed),
-                io.Int.Input("tokens", default=16, min=1, max=4096),
+                cls.NUMBERS["seed"].input("seed", control_after_generate=io.ControlAfterGenerate.fixed),
+                cls.NUMBERS["tokens"].input("tokens"),
             ],
             outputs=[io.Conditioning.Output()],
         )
 
     @classmethod
     def execute(cls, model, seed, tokens) -> io.NodeOutput:
-        g = torch.Generator().manual_seed(int(seed))
-        ctx = torch.randn(1, int(tokens), _text_dim(model), generator=g)
+        seed, tokens = checks.check(cls, seed=seed, tokens=tokens)
+        g = torch.Generator().manual_seed(seed)
+        ctx = torch.randn(1, tokens, _text_dim(model), generator=g)
         return io.NodeOutput([[ctx, {}]])
 
 

@@ -6,7 +6,7 @@ import os
 
 from comfy_api.latest import io
 
-from . import CATEGORY
+from . import CATEGORY, checks
 from ..adapters import contracts, residency, turbo_lora
 
 log = logging.getLogger("h3_turbo")
@@ -44,15 +44,21 @@ class H3TurboLoRA(io.ComfyNode):
     additional model (ComfyUI memory management) and the Turbo contract (steps, shifts) for the sampler.
     ``turbo = none`` or ``strength = 0`` passes the input MODEL through unchanged (no contract).
     Alias ``4step``/``8step``: the official file present in the loras folder (else a fixture whose
-    metadata declares that contract). Errors (wrong base, missing/extra keys, alpha mismatch) name the file.
+    metadata declares that contract). ``variant`` (optional, default ``auto``): the contract the MODEL carries,
+    see ``contracts.choose`` (an adapter whose contract cannot be determined carries none unless one is picked).
+    Errors (wrong base, missing/extra keys, alpha mismatch, a variant that contradicts the file, a strength
+    that is not a finite number in range) name the file or the input.
     """
+
+    DISPLAY = "Apply H3 Turbo LoRA"
+    NUMBERS = {"strength": checks.Number("float", 1.0, -2.0, 2.0, 0.05)}
 
     @classmethod
     def define_schema(cls):
         options, _, _ = turbo_options()
         return io.Schema(
             node_id="H3TurboLoRA",
-            display_name="Apply H3 Turbo LoRA",
+            display_name=cls.DISPLAY,
             category=CATEGORY,
             description="Applies an official MiniMax H3 Turbo LoRA (4-step / 8-step) as an unmerged bf16 branch "
                         "beside the base projections (works on BF16 and NVFP4 models), and attaches its "
@@ -62,8 +68,11 @@ class H3TurboLoRA(io.ComfyNode):
                 io.Combo.Input("turbo", options=options, default=NONE,
                                tooltip="none, an alias (4step/8step) of a recognized adapter in models/loras, "
                                        "or any file there (validated before use)."),
-                io.Float.Input("strength", default=1.0, min=-2.0, max=2.0, step=0.05,
-                               tooltip="Branch strength. The Turbo contracts assume 1.0."),
+                cls.NUMBERS["strength"].input("strength", tooltip="Branch strength. The Turbo contracts assume 1.0."),
+                io.Combo.Input("variant", options=list(contracts.VARIANTS), default="auto", optional=True,
+                               tooltip="The Turbo contract (steps, shifts) the model carries: auto = the file's "
+                                       "own (none for a file that is not an official one); 4step / 8step = that "
+                                       "official contract for a file without one; none = no contract."),
             ],
             outputs=[io.Model.Output()],
         )
@@ -82,8 +91,9 @@ class H3TurboLoRA(io.ComfyNode):
         return (name, st.st_size, st.st_mtime_ns)
 
     @classmethod
-    def execute(cls, model, turbo, strength) -> io.NodeOutput:
-        if turbo == NONE or float(strength) == 0.0:
+    def execute(cls, model, turbo, strength, variant="auto") -> io.NodeOutput:
+        (strength,) = checks.check(cls, strength=strength)
+        if turbo == NONE or strength == 0.0:
             if not contracts.copy_entry(model.model_options).get("adapter"):
                 return io.NodeOutput(model)  # nothing to switch off: the input MODEL itself
             clone = model.clone()
@@ -96,13 +106,25 @@ class H3TurboLoRA(io.ComfyNode):
         if name not in files:
             raise turbo_lora.TurboLoRAError(f"Apply H3 Turbo LoRA: {turbo!r} is not in the loras folder "
                                             f"(known aliases: {sorted(aliases) or 'none'})")
-        dims = turbo_lora.model_target_dims(model.model.diffusion_model)
-        resident = residency.get(files[name], dims)  # validated against this model before touching it
+        dm = model.model.diffusion_model
+        dims = turbo_lora.model_target_dims(dm)
+        # validated against this model before touching it
+        resident = residency.get(files[name], dims, head_dim=turbo_lora.model_head_dim(dm))
         alias = turbo if turbo in aliases else name
-        if float(strength) != 1.0:
-            log.info("Apply H3 Turbo LoRA: strength %g (the %s contract assumes 1.0)", strength, resident.variant)
+        contract = contracts.choose(resident.contract, variant, resident.file)
+        if contract is None:
+            why = ("variant none" if variant == "none" else
+                   "it is not an official file and carries no contract metadata")
+            log.info("Apply H3 Turbo LoRA: %s carries no Turbo contract (%s): the sampler enforces no steps or "
+                     "shifts", resident.file, why)
+        elif contract.source == "user":
+            log.info("Apply H3 Turbo LoRA: %s sampled under the %s contract of %s (picked by variant): %d steps, "
+                     "shifts %g/%g", resident.file, variant, contract.extra["as"], contract.nfe,
+                     contract.shift_video, contract.shift_audio)
+        if strength != 1.0 and contract is not None:
+            log.info("Apply H3 Turbo LoRA: strength %g (the %s contract assumes 1.0)", strength, contract.variant)
         clone = model.clone()
-        residency.install(clone, resident, float(strength), alias)
+        residency.install(clone, resident, strength, alias, contract=contract)
         return io.NodeOutput(clone)
 
 

@@ -9,7 +9,7 @@ import logging
 
 from comfy_api.latest import io
 
-from . import CATEGORY
+from . import CATEGORY, checks
 from ..adapters import contracts
 from ..samplers import schedules, training_euler
 
@@ -42,9 +42,13 @@ def turbo_sigmas(model, steps: int):
             raise training_euler.TurboContractError(msg)
         return schedules.shifted_grid(nfe, contract.shift_video, dtype=torch.float32)
     if steps <= 0:
+        adapter = contracts.copy_entry(getattr(model, "model_options", None) or {}).get("adapter_file")
+        why = (f"its Turbo adapter {adapter!r} carries none (not an official file: pick variant 4step or 8step on "
+               "Apply H3 Turbo LoRA to use an official contract)" if adapter else
+               "connect it through the Apply H3 Turbo LoRA node")
         raise training_euler.TurboContractError(
-            "H3 Turbo Sigmas: steps=0 means 'the Turbo contract's NFE', but the MODEL carries "
-            "no Turbo contract (connect it through the H3 Turbo LoRA node) - or set steps > 0.")
+            f"H3 Turbo Sigmas: steps=0 means 'the Turbo contract's NFE', but the MODEL carries no Turbo contract "
+            f"({why}); or set steps > 0.")
     ms = model.get_model_object("model_sampling")
     shift = getattr(ms, "shift", None)
     if shift is None or getattr(ms, "audio_shift", None) is None:
@@ -54,28 +58,38 @@ def turbo_sigmas(model, steps: int):
     return schedules.shifted_grid(steps, float(shift), dtype=torch.float32)
 
 
+NO_CONTRACT_SIGMAS = ("Without a Turbo contract (no Turbo LoRA, variant none, or an adapter that is not an official "
+                      "file) steps must be > 0 and the grid uses the model's video shift.")
+NO_CONTRACT_SAMPLER = ("Without a Turbo contract it steps the SIGMAS it is given, the audio on the grid of the "
+                       "model's shifts, and enforces nothing (CFG and denoiser caches are then allowed).")
+
+
 class H3TurboSigmas(io.ComfyNode):
     """The uniform shifted video sigma grid of the Turbo contract (or of the model's shift)."""
+
+    DISPLAY = "H3 Turbo Sigmas"
+    NUMBERS = {"steps": checks.Number("int", 0, 0, 1000)}
 
     @classmethod
     def define_schema(cls):
         return io.Schema(
             node_id="H3TurboSigmas",
-            display_name="H3 Turbo Sigmas",
+            display_name=cls.DISPLAY,
             category=CATEGORY,
             description="Video sigmas shift*b/(1+(shift-1)*b), b = linspace(1,0,steps+1), last 0. steps counts "
-                        "MODEL EVALUATIONS (0 = the attached Turbo contract's). With a Turbo LoRA the shift is "
-                        "the contract's; without one, the model's ModelSamplingMiniMaxH3 shift_video.",
+                        "MODEL EVALUATIONS (0 = the attached Turbo contract's). With a Turbo contract the shift is "
+                        "the contract's. " + NO_CONTRACT_SIGMAS,
             inputs=[
                 io.Model.Input("model"),
-                io.Int.Input("steps", default=0, min=0, max=1000,
-                             tooltip="Model evaluations; 0 = the Turbo contract's NFE (4 for 4-step)."),
+                cls.NUMBERS["steps"].input("steps", tooltip="Model evaluations; 0 = the Turbo contract's NFE "
+                                                            "(4 for 4-step)."),
             ],
             outputs=[io.Sigmas.Output()],
         )
 
     @classmethod
     def execute(cls, model, steps) -> io.NodeOutput:
+        (steps,) = checks.check(cls, steps=steps)
         return io.NodeOutput(turbo_sigmas(model, steps))
 
 
@@ -90,16 +104,18 @@ class H3TurboSampler(io.ComfyNode):
             category=CATEGORY,
             description="Deterministic Euler x += (sigma_i - sigma_next) * (x0 - noise) per stream, video on the "
                         "SIGMAS, audio on its own grid, one model call per step at (sigma_v, sigma_a). Enforces "
-                        "the Turbo contract at sampling time (steps, grid, no CFG, no denoiser cache, shifts).",
+                        "the Turbo contract at sampling time (steps, grid, no CFG, no denoiser cache, shifts). "
+                        + NO_CONTRACT_SAMPLER,
             inputs=[
                 io.Combo.Input("state_dtype", options=list(training_euler.STATE_DTYPES), default="fp32",
+                               optional=True,
                                tooltip="dtype of the video/audio states between steps (fp32 = LightX2V)."),
             ],
             outputs=[io.Sampler.Output()],
         )
 
     @classmethod
-    def execute(cls, state_dtype) -> io.NodeOutput:
+    def execute(cls, state_dtype="fp32") -> io.NodeOutput:
         import comfy.samplers
 
         return io.NodeOutput(comfy.samplers.KSAMPLER(training_euler.sample_h3_turbo,

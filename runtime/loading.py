@@ -5,8 +5,9 @@ Order of work (a failed load builds nothing and touches no loaded model):
 2. read and validate the safetensors header, detect the format and the H3 sizes (``formats.detect``);
 3. stream the file into the ComfyUI-native layout in memory (``formats.convert.iter_native``): native
    files pass through, foreign NVFP4 files are converted bit-preservingly, BF16/FP16/FP32 files get their
-   208 block projections quantized (ComfyUI progress bar);
-4. check the values (:func:`check_values`);
+   208 block projections quantized (ComfyUI progress bar); every tensor read is value-checked there
+   (``formats.values``: NaN / Inf, negative block scales), the check ``inspect`` and ``quantize`` run too;
+4. check the converted scales (:func:`check_values`);
 5. build core's H3 with core's loader ``comfy.sd.load_diffusion_model_state_dict`` and the pack's
    operations (:func:`h3_turbo.runtime.ops.make_operations`: core keeps H3's fp32 island in fp32 only
    with them), then install the compute path and report the resident size to ComfyUI (packed weights +
@@ -21,7 +22,7 @@ import torch
 from .. import state
 from ..adapters import contracts
 from ..errors import CheckpointError, NoCapablePathError
-from ..formats import nvfp4
+from ..formats import values
 from ..formats.convert import iter_native, make_plan, native_metadata
 from ..formats.detect import Detection, detect
 from ..formats.safetensors_io import read_header
@@ -47,18 +48,14 @@ def kernel_extra_bytes(shapes: list[tuple[int, int]], path: str) -> int:
 
 
 def check_values(path: str, sd: dict[str, torch.Tensor], det: Detection) -> None:
-    """Value checks on the native state dict before building: block scales finite (no e4m3 NaN byte)
-    and non-negative, global scales finite and > 0. Raises :class:`CheckpointError` naming the key."""
+    """Value checks on the native state dict before building, for what conversion computed (the input was
+    checked as it was read): block scales (``formats.values.problems``) and global scales finite and > 0.
+    Raises :class:`CheckpointError` naming the key."""
     for stem in det.quant_layers:
         bs = sd.get(f"{stem}.weight_scale")
-        if bs is not None:
-            nan, neg = nvfp4.bad_scale_counts(bs)
-            if nan:
-                raise CheckpointError(path, f"{nan} block scales are NaN", key=f"{stem}.weight_scale",
-                                      expected="finite e4m3 scales")
-            if neg:
-                raise CheckpointError(path, f"{neg} block scales are negative", key=f"{stem}.weight_scale",
-                                      expected="scales >= 0")
+        bad = values.problems(bs, block_scale=True) if bs is not None else []
+        if bad:
+            raise CheckpointError(path, "; ".join(bad), key=f"{stem}.weight_scale")
         for s in ("weight_scale_2", "input_scale"):
             v = sd.get(f"{stem}.{s}")
             if v is not None:
@@ -98,7 +95,10 @@ def load_h3_model(path: str, compute: str = "auto", disable_dynamic: bool = Fals
                  path, det.format, len(plan.convert), plan.nibble_order, det.nibble_order_source,
                  plan.scale_layout, det.scale_layout_source)
     try:
-        sd = dict(iter_native(plan, progress=lambda d, t: pbar.update_absolute(d, t), device=qdev))
+        sd = dict(iter_native(plan, progress=lambda d, t: pbar.update_absolute(d, t), device=qdev,
+                              drop=det.unused_stems))
+    except CheckpointError:
+        raise
     except ValueError as e:
         raise CheckpointError(path, f"cannot quantize: {e}") from None
     check_values(path, sd, det)

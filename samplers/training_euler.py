@@ -187,10 +187,21 @@ def foreign_wrappers(model_options: dict) -> list[str]:
     return out
 
 
+def fun_controlnet_wrappers(model_options: dict) -> list:
+    """The DIFFUSION_MODEL wrappers in ``model_options`` that are core's Fun ControlNet's
+    (``runtime.core_compat.is_fun_controlnet_wrapper``; docs/h3-facts.md#newer-core)."""
+    from ..runtime.core_compat import is_fun_controlnet_wrapper
+
+    to = (model_options or {}).get("transformer_options") or {}
+    keyed = (to.get("wrappers") or {}).get("diffusion_model") or {}
+    return [fn for fns in keyed.values() for fn in (fns or []) if is_fun_controlnet_wrapper(fn)]
+
+
 def check_caches(model_options: dict, contract: contracts.TurboContract) -> None:
     """With a Turbo contract, denoiser caches (core's EasyCache / LazyCache, named in the error) and any
     foreign DIFFUSION_MODEL / APPLY_MODEL / PREDICT_NOISE wrapper are refused: each of the few Turbo steps
-    must be a real model evaluation. (Without a contract the sampler accepts them: see sample_h3_turbo.)"""
+    must be a real model evaluation. Core's Fun ControlNet (an unkeyed wrapper) is refused with its own message.
+    (Without a contract the sampler accepts them: see sample_h3_turbo.)"""
     caches = find_caches(model_options)
     if caches:
         what = " and ".join(caches)
@@ -198,6 +209,14 @@ def check_caches(model_options: dict, contract: contracts.TurboContract) -> None
             f"{SAMPLER_NAME}: the MODEL carries the denoiser cache {what}, which skips or reuses model "
             f"evaluations; {_who(contract)} takes only {contract.nfe} steps and each must be a real model "
             f"evaluation. Remove the {what} node from the MODEL path.")
+    fun = fun_controlnet_wrappers(model_options)
+    if fun:
+        raise TurboContractError(
+            f"{SAMPLER_NAME}: {_who(contract)} refuses the Fun ControlNet (core's MiniMaxH3FunControlNetApply: an "
+            f"unkeyed DIFFUSION_MODEL wrapper of MiniMaxH3FunControlPatch that adds control residuals to the DiT "
+            f"blocks). The Turbo adapter was distilled without control injection, so its contract ({contract.nfe} "
+            f"steps at shifts {contract.shift_video:g}/{contract.shift_audio:g}) is not known to hold with it. "
+            f"Pick variant 'none' on Apply H3 Turbo LoRA to sample without the contract, or remove the ControlNet.")
     foreign = foreign_wrappers(model_options)
     if foreign:
         raise TurboContractError(

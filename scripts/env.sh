@@ -5,11 +5,28 @@
 #
 #   H3T_VENV      the venv to use/create (default: $HOME/comfyui-venv)
 #   COMFYUI_PATH  a ComfyUI checkout with MiniMax H3 (default: $HOME/ComfyUI); its requirements.txt
-#                 is installed. Without one, only the pack's own dependencies are installed and the
+#                 is installed whenever one of its requirements is not met (missing or another version
+#                 than pinned). Without one, only the pack's own dependencies are installed and the
 #                 integration tests skip (loudly).
 # Pinned stack (verified): Python 3.11, torch 2.14.1 + torchvision 0.29.1, torchaudio 2.11.1 (--no-deps),
 # ComfyUI's requirements (comfy-kitchen 0.2.31).
 set -euo pipefail
+
+# comfy_requirements VENV COMFY PACK: install COMFY's requirements.txt (without torch*) into VENV whenever one
+# of them is not met there (scripts/requirements_met.py: missing, or another version than pinned), so a reused
+# venv never keeps old comfy-kitchen / comfy-aimdo under a newer core. Tested by tests/test_env_script.py.
+comfy_requirements() {
+  local venv=$1 comfy=$2 pack=$3 reqs
+  reqs=$(mktemp)
+  grep -v -E '^(#|$)|^torch$|^torchvision|^torchaudio' "$comfy/requirements.txt" > "$reqs"
+  if ! "$venv/bin/python" "$pack/scripts/requirements_met.py" "$reqs"; then
+    echo "[h3-turbo] installing ComfyUI requirements from $comfy/requirements.txt (the ones above are not met)"
+    "$venv/bin/pip" install -q -r "$reqs" packaging
+  fi
+  rm -f "$reqs"
+}
+if [ "${H3T_ENV_FUNCTIONS_ONLY:-}" = 1 ]; then return 0; fi
+
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 venv=${H3T_VENV:-$HOME/comfyui-venv}
 comfy=${COMFYUI_PATH:-$HOME/ComfyUI}
@@ -22,13 +39,7 @@ if ! "$venv/bin/python" -c 'import torch, sys; sys.exit(0 if torch.__version__.s
   "$venv/bin/pip" install -q --no-deps torchaudio==2.11.1
 fi
 if [ -f "$comfy/requirements.txt" ]; then
-  if ! "$venv/bin/python" -c 'import comfy_kitchen, aiohttp, av, einops, transformers, alembic, blake3, torchsde' 2>/dev/null; then
-    echo "[h3-turbo] installing ComfyUI requirements from $comfy/requirements.txt"
-    reqs=$(mktemp)
-    grep -v -E '^(#|$)|^torch$|^torchvision|^torchaudio' "$comfy/requirements.txt" > "$reqs"
-    "$venv/bin/pip" install -q -r "$reqs" packaging
-    rm -f "$reqs"
-  fi
+  comfy_requirements "$venv" "$comfy" "$here"
 else
   echo "[h3-turbo] no ComfyUI at $comfy (set COMFYUI_PATH): integration tests will be skipped" >&2
   "$venv/bin/pip" install -q comfy-kitchen==0.2.31

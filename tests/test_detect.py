@@ -190,7 +190,8 @@ def _mut(nv, tmp_path, fn, meta=None):
     ("scale_dtype", "blocks.4.mlp.fc1.weight_scale", "block scales are F32"),
     ("bad_json", "blocks.1.mlp.fc1.comfy_quant", "comfy_quant is not UTF-8 JSON"),
     ("unknown_fmt", "blocks.1.mlp.fc1", "unknown quantization format 'nvfp5'"),
-    ("gap_in_blocks", None, "DiT block indices are not 0..48: missing [20]"),
+    ("gap_in_blocks", None, "DiT blocks missing: blocks.20 (the file has blocks.0..49 except these; a checkpoint "
+                            "shard missing?); core would build only blocks.0..19 and ignore the rest"),
     ("quantized_condition_proj", "condition_proj.weight", "core's H3 detector reads its input width"),
 ])
 def test_validation_findings(nv, tmp_path, case, key, text):

@@ -18,6 +18,8 @@ TABLES = {
     "8nfe_12_3": (8, 12.0, 3.0, [1, .988235, .972973, .952381, .923077, .878049, .8, .631579, 0],
                   [1, .954545, .9, .833333, .75, .642857, .5, .3, 0]),
     "dmd_12_3": (4, 12.0, 3.0, [1, .972973, .923077, .8, 0], [1, .9, .75, .5, 0]),
+    "8nfe_6_3": (8, 6.0, 3.0, [1, .976744, .947368, .909091, .857143, .782609, .666667, .461538, 0],
+                 [1, .954545, .9, .833333, .75, .642857, .5, .3, 0]),
 }
 
 
@@ -44,10 +46,13 @@ def test_turbo_tables_match_facts(name):
 
 
 def test_contract_artifacts_give_the_fact_tables():
-    by_variant = {a.contract.variant: a.contract for a in contracts.KNOWN_ARTIFACTS}
-    for c, key in ((by_variant["4step"], "4nfe_6_3"), (by_variant["8step"], "8nfe_12_3"),
-                   (contracts.TURBOH3_DMD, "dmd_12_3")):
-        nfe, sv, sa, video, _ = TABLES[key]
+    """Every known artifact's grid is one of the printed tables (docs/h3-facts.md#sigma-schedules)."""
+    key = {(4, 6.0, 3.0): "4nfe_6_3", (8, 12.0, 3.0): "8nfe_12_3", (4, 12.0, 3.0): "dmd_12_3",
+           (8, 6.0, 3.0): "8nfe_6_3"}
+    alias = {v: contracts.by_filename(f + ".safetensors").contract for v, f in contracts.ALIASES.items()}
+    assert [(alias[v].nfe, alias[v].shift_video) for v in ("4step", "8step")] == [(4, 6.0), (8, 12.0)]
+    for c in [a.contract for a in contracts.KNOWN_ARTIFACTS] + [contracts.TURBOH3_DMD]:
+        nfe, sv, sa, video, _ = TABLES[key[(c.nfe, c.shift_video, c.shift_audio)]]
         assert (c.nfe, c.shift_video, c.shift_audio) == (nfe, sv, sa)
         te.check_sigmas(c, torch.tensor(video, dtype=torch.float32))  # the printed table passes (1e-6)
 

@@ -182,11 +182,15 @@ def test_known_artifact_by_sha_and_filename(fixtures_dir, tmp_path, monkeypatch)
     monkeypatch.undo()
 
 
-def test_unknown_contract_reported(fixtures_dir, tmp_path):
+def test_undeterminable_contract_is_none(fixtures_dir, tmp_path, caplog):
+    """A file that is neither an official artifact nor carries contract metadata has NO contract (not a
+    placeholder with NFE 0 and shifts 0/0), and the load-time log says what that means."""
     t, meta = _read(fixtures_dir["lora_4step"])
     meta.pop("h3_turbo_fixture")
-    lora = turbo_lora.load_turbo_lora(_write(tmp_path, "plain.safetensors", t, meta))
-    assert lora.contract.variant == "unknown" and lora.contract.source == "unknown"
+    with caplog.at_level("WARNING", logger="h3_turbo"):
+        lora = turbo_lora.load_turbo_lora(_write(tmp_path, "plain.safetensors", t, meta))
+    assert lora.contract is None and lora.variant == "unknown"
+    assert "carries no Turbo contract: H3 Turbo Sigmas needs steps > 0" in caplog.text
 
 
 def test_alias_table(fixtures_dir, tmp_path):
@@ -199,13 +203,13 @@ def test_alias_table(fixtures_dir, tmp_path):
 
 
 # ---------------------------------------------------------------------------------------------- key styles
-def test_bare_and_peft_keys_accepted(fixtures_dir, tmp_path):
+def test_bare_keys_accepted(fixtures_dir, tmp_path):
+    """Bare ``blocks.N`` keys (no ``diffusion_model.``). Core's names with the PEFT ``.default.`` infix are the
+    DiffSynth-Studio layout, whose qkv rows are interleaved: tests/test_lora_layouts.py."""
     t, meta = _read(fixtures_dir["lora_8step"])
     ref = turbo_lora.load_turbo_lora(fixtures_dir["lora_8step"])
     bare = {k[len("diffusion_model."):]: v for k, v in t.items()}
-    peft = {k.replace(".lora_A.weight", ".lora_A.default.weight").replace(".lora_B.weight", ".lora_B.default.weight"): v
-            for k, v in t.items()}
-    for name, tt, style in (("bare", bare, "bare"), ("peft", peft, "peft")):
+    for name, tt, style in (("bare", bare, "bare"),):
         lora = turbo_lora.load_turbo_lora(_write(tmp_path, f"{name}.safetensors", tt, meta))
         assert lora.key_style == style and lora.targets.keys() == ref.targets.keys()
         for k, tl in lora.targets.items():

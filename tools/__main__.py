@@ -6,9 +6,19 @@ import sys
 
 
 def _cmd_make_fixtures(args: argparse.Namespace) -> int:
+    import os
+
     from .fixtures import make_fixtures
 
-    paths = make_fixtures(args.dir, seed=args.seed, nvfp4=not args.no_nvfp4)
+    if os.path.exists(args.dir) and not os.path.isdir(args.dir):
+        print(f"error: {args.dir}: is an existing file, not a folder (expected a folder to write the models tree "
+              "into, e.g. ./h3_fixtures)", file=sys.stderr)
+        return 1
+    try:
+        paths = make_fixtures(args.dir, seed=args.seed, nvfp4=not args.no_nvfp4)
+    except OSError as e:   # e.g. a file where one of the tree's folders goes, or no permission
+        print(f"error: {args.dir}: cannot write the fixtures: {e}", file=sys.stderr)
+        return 1
     for name, p in paths.items():
         print(f"{name}: {p}")
     return 0

@@ -21,8 +21,9 @@ def inspect_file(path: str, scan_scales: bool = True) -> tuple[dict, list[str]]:
     except CheckpointError as e:
         return {"path": path, "ok": False, "format": None}, [f"[error] {e}"]
     det = detect(hdr)
-    if scan_scales and det.quant_layers and not det.errors:
-        check_block_scales(path, det)
+    if scan_scales and det.model == "h3" and not det.errors:
+        check_block_scales(path, det)  # every tensor's values, the loader's and quantize's check
+    scan = det.value_scan
     c = det.config
     proj = set(c.projection_stems()) if c else set()
     rep = {
@@ -45,6 +46,8 @@ def inspect_file(path: str, scan_scales: bool = True) -> tuple[dict, list[str]]:
         "layers_other_quant": len(det.other_quant),
         "parameter_bytes": det.param_bytes,
         "nvfp4_packed_bytes": det.packed_bytes,
+        "values_checked": None if scan is None else {"tensors": scan.tensors, "bytes": scan.bytes,
+                                                     "seconds": round(scan.seconds, 3)},
         "errors": len(det.errors),
         "warnings": sum(1 for f in det.findings if f.level == "warning"),
         "ok": not det.errors,
@@ -74,6 +77,9 @@ def cmd_inspect(args) -> int:
             print(f"layers: nvfp4 {rep['layers_nvfp4']} (block projections {rep['block_projections_nvfp4']}/"
                   f"{rep['block_projections']}), other quantized {rep['layers_other_quant']}")
             print(f"parameter bytes: {_gib(rep['parameter_bytes'])}; nvfp4 packed bytes: {_gib(rep['nvfp4_packed_bytes'])}")
+            v = rep.get("values_checked")
+            if v:
+                print(f"values checked: {v['tensors']} tensors, {v['bytes'] / 2**30:.3f} GiB in {v['seconds']:.2f} s")
         print(f"findings: {len(findings)}" + ("" if findings else " (none)"))
         for f in findings:
             print("  " + f)
@@ -122,7 +128,7 @@ def add_parsers(sub) -> None:
     p = sub.add_parser("inspect", help="format, H3 config, sizes and every validation finding (exit 1 on errors)")
     p.add_argument("file")
     p.add_argument("--json", action="store_true", help="machine-readable report")
-    p.add_argument("--no-scan", action="store_true", help="skip reading the block scales (header-only checks)")
+    p.add_argument("--no-scan", action="store_true", help="skip reading the tensors' values (header-only checks)")
     p.set_defaults(func=cmd_inspect)
     q = sub.add_parser("quantize", help="BF16/FP16/FP32 H3 -> ComfyUI-native NVFP4 (streaming)")
     q.add_argument("input")

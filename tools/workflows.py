@@ -424,7 +424,8 @@ def _real_front(turbo: str | None) -> list[Node]:
                                           "length": 124, "first_frame": (1, 0)}, (380, 660), size=(400, 420)),
     ]
     if turbo:
-        nodes.append(Node(4, "H3TurboLoRA", {"model": (3, 0), "turbo": turbo, "strength": 1.0}, (380, 150)))
+        nodes.append(Node(4, "H3TurboLoRA", {"model": (3, 0), "turbo": turbo, "strength": 1.0, "variant": "auto"},
+                          (380, 150)))
     return nodes
 
 
@@ -494,7 +495,8 @@ def _tiny_workflow() -> Workflow:
             f"| `{TINY_TURBO_4STEP}` | `loras/` |\n| `h3_tiny_turbo_8step_comfyui_bf16.safetensors` | `loras/` |\n")
     nodes = [
         Node(1, "H3TurboNVFP4Loader", {"unet_name": TINY_MODEL, "compute": "auto"}, (0, 0)),
-        Node(2, "H3TurboLoRA", {"model": (1, 0), "turbo": TINY_TURBO_4STEP, "strength": 1.0}, (380, 0)),
+        Node(2, "H3TurboLoRA", {"model": (1, 0), "turbo": TINY_TURBO_4STEP, "strength": 1.0, "variant": "auto"},
+             (380, 0)),
         Node(3, "H3TurboTestConditioning", {"model": (2, 0), "seed": 0, "tokens": 16}, (380, 170)),
         Node(4, "BasicGuider", {"model": (2, 0), "conditioning": (3, 0)}, (800, 0)),
         Node(5, "H3TurboSigmas", {"model": (2, 0), "steps": 0}, (800, 130)),

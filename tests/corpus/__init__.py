@@ -32,6 +32,11 @@ CONFIG_CASES = {"bf16_config_ffn": {"ffn_hidden_size": 192}, "bf16_config_layers
 ADAPTER_BAD_CASES = ("missing_targets", "extra_adaln_proj", "extra_final_layer", "other_hidden", "alpha_missing",
                      "lora_b_missing", "alpha_vs_metadata")
 ADAPTER_OK_CASES = ("bare_keys", "peft_default", "diffusers_twin", "diffusers_twin_fc1_swapped")
+# issue 18: more layouts from the wild (diffusers ``loaders/lora_conversion_utils.py``), each the same adapter
+# as the official-layout fixture, and bad values / a DiffSynth file without alpha
+LAYOUT_CASES = ("kohya", "lora_unet", "lora_unet_diffusers", "diffusers_prefixed", "diffusers_model_prefixed",
+                "diffsynth")
+ADAPTER_BAD_VALUE_CASES = ("diffsynth_no_alpha", "alpha_zero", "alpha_negative", "lora_nan", "metadata_alpha_zero")
 
 # the layer every value-damage case touches (an NVFP4 block projection of the tiny fixture)
 DAMAGED_LAYER = "blocks.3.attn.out_proj"
@@ -144,6 +149,62 @@ def _diffusers_twin(t: dict, swap_fc1: bool = False) -> dict:
     return out
 
 
+def interleave_qkv_rows(B: torch.Tensor, head_dim: int) -> torch.Tensor:
+    """core's qkv rows [q_all; k_all; v_all] -> per head [h0: q k v, h1: q k v, ...] (the raw MiniMax order a
+    DiffSynth-Studio LoRA is trained in); the inverse of ``turbo_lora.deinterleave_qkv_rows``."""
+    n = B.shape[0]
+    return B.reshape(3, n // (3 * head_dim), head_dim, *B.shape[1:]).transpose(0, 1).reshape(B.shape).contiguous()
+
+
+def as_layout(t: dict, meta: dict, layout: str, head_dim: int = 32) -> tuple[dict, dict]:
+    """The official-layout adapter ``t`` (``diffusion_model.<target>.{lora_A.weight, lora_B.weight, alpha}``)
+    written in another layout: ``kohya`` (``lora_down`` / ``lora_up``, dotted names), ``lora_unet`` (kohya /
+    musubi ``lora_unet_blocks_N_attn_qkv_proj.*``), ``lora_unet_diffusers`` (the same on Diffusers module names,
+    per-module alpha = fused alpha / 3 for q/k/v), ``diffusers_prefixed`` / ``diffusers_model_prefixed`` (the
+    Diffusers twin under ``diffusion_model.`` / ``model.``), ``diffsynth`` (core's names with ``.default.``,
+    qkv B rows interleaved per head, alpha tensors kept). Returns (tensors, metadata)."""
+    part = {"lora_A.weight": "lora_down.weight", "lora_B.weight": "lora_up.weight", "alpha": "alpha"}
+    out: dict = {}
+    if layout in ("kohya", "lora_unet"):
+        for k, v in t.items():
+            suffix = next(s for s in part if k.endswith("." + s))
+            stem = k[len("diffusion_model."):-len(suffix) - 1]
+            name = f"diffusion_model.{stem}" if layout == "kohya" else "lora_unet_" + stem.replace(".", "_")
+            out[f"{name}.{part[suffix]}"] = v
+        return out, meta
+    if layout == "diffsynth":
+        for k, v in t.items():
+            if k.endswith("attn.qkv_proj.lora_B.weight"):
+                v = interleave_qkv_rows(v, head_dim)
+            k = k[len("diffusion_model."):].replace(".lora_A.weight", ".lora_A.default.weight").replace(
+                ".lora_B.weight", ".lora_B.default.weight")
+            out[k] = v
+        return out, meta
+    twin = _diffusers_twin(t)
+    dmeta = dict(meta, alpha=str(float(t["diffusion_model.blocks.0.mlp.fc2.alpha"])))
+    if layout in ("diffusers_prefixed", "diffusers_model_prefixed"):
+        pfx = "diffusion_model." if layout == "diffusers_prefixed" else "model."
+        return {pfx + k: v for k, v in twin.items()}, dmeta
+    assert layout == "lora_unet_diffusers", layout
+    for k, v in twin.items():
+        suffix = "lora_A.weight" if k.endswith("lora_A.weight") else "lora_B.weight"
+        stem = k[:-len(suffix) - 1]
+        name = "lora_unet_" + stem.replace(".", "_")
+        out[f"{name}.{part[suffix]}"] = v
+        if suffix == "lora_A.weight":
+            comfy = stem.replace("transformer_blocks.", "blocks.").replace("token_refiner.refiner_blocks.",
+                                                                           "token_refiner.blocks.")
+            for d, c in ((".attn.to_q", ".attn.qkv_proj"), (".attn.to_k", ".attn.qkv_proj"),
+                         (".attn.to_v", ".attn.qkv_proj"), (".attn.to_out.0", ".attn.out_proj"),
+                         (".ff.net.0.proj", ".mlp.fc1"), (".ff.net.2", ".mlp.fc2")):
+                if comfy.endswith(d):
+                    comfy = comfy[:-len(d)] + c
+                    break
+            a = t[f"diffusion_model.{comfy}.alpha"]
+            out[f"{name}.alpha"] = a / 3 if comfy.endswith("qkv_proj") else a
+    return out, {k: v for k, v in meta.items() if k != "alpha"}
+
+
 def build_adapter_corpus(fixtures: dict, out_dir: str) -> dict[str, str]:
     """Write one Turbo LoRA per :data:`ADAPTER_BAD_CASES` + :data:`ADAPTER_OK_CASES` (from the 4-step fixture)."""
     key = ("adapter", os.path.abspath(out_dir))
@@ -179,15 +240,27 @@ def build_adapter_corpus(fixtures: dict, out_dir: str) -> dict[str, str]:
     out["alpha_vs_metadata"] = _save(dis, p("alpha_vs_metadata"), meta)
     # accepted layouts
     out["bare_keys"] = _save({k[len("diffusion_model."):]: v for k, v in t.items()}, p("bare_keys"), meta)
-    peft = {}
-    for k, v in t.items():
-        k2 = k.replace(".lora_A.weight", ".lora_A.default.weight").replace(".lora_B.weight", ".lora_B.default.weight")
-        peft[k2] = v
-    out["peft_default"] = _save(peft, p("peft_default"), meta)
+    # core's names with the PEFT .default. infix = DiffSynth-Studio: qkv rows interleaved per head (issue 18)
+    out["peft_default"] = _save(as_layout(t, meta, "diffsynth")[0], p("peft_default"), meta)
     dmeta = dict(meta, alpha=str(4.0))  # per-projection alpha r=4 -> alpha/rank 1 (the 4-step fixture)
     out["diffusers_twin"] = _save(_diffusers_twin(t), p("diffusers_twin"), dmeta)
     out["diffusers_twin_fc1_swapped"] = _save(_diffusers_twin(t, swap_fc1=True), p("diffusers_twin_fc1_swapped"), dmeta)
-    assert set(out) == set(ADAPTER_BAD_CASES) | set(ADAPTER_OK_CASES)
+    for case in LAYOUT_CASES:
+        lt, lm = as_layout(t, meta, case)
+        out[case] = _save(lt, p(case), lm)
+    ds, _ = as_layout(t, meta, "diffsynth")
+    out["diffsynth_no_alpha"] = _save({k: v for k, v in ds.items() if not k.endswith(".alpha")},
+                                      p("diffsynth_no_alpha"), {k: v for k, v in meta.items() if k != "training_scale"})
+    nts = {k: v for k, v in meta.items() if k != "training_scale"}   # so that only the alpha check speaks
+    out["alpha_zero"] = _save(dict(t, **{"diffusion_model.blocks.1.mlp.fc2.alpha": torch.tensor(0.0)}),
+                              p("alpha_zero"), nts)
+    out["alpha_negative"] = _save(dict(t, **{"diffusion_model.blocks.1.attn.qkv_proj.alpha": torch.tensor(-12.0)}),
+                                  p("alpha_negative"), nts)
+    nan_b = t["diffusion_model.blocks.1.mlp.fc1.lora_B.weight"].clone()
+    nan_b[3, 1] = float("nan")
+    out["lora_nan"] = _save(dict(t, **{"diffusion_model.blocks.1.mlp.fc1.lora_B.weight": nan_b}), p("lora_nan"), meta)
+    out["metadata_alpha_zero"] = _save(_diffusers_twin(t), p("metadata_alpha_zero"), dict(nts, alpha="0"))
+    assert set(out) == set(ADAPTER_BAD_CASES) | set(ADAPTER_OK_CASES) | set(LAYOUT_CASES) | set(ADAPTER_BAD_VALUE_CASES)
     _MEMO[key] = out
     return dict(out)
 
@@ -252,9 +325,9 @@ SMALL_LAYERS = (2, 1)  # DiT blocks, refiner blocks of the small sampling fixtur
 
 def write_small_fixtures(models_root: str, sub: str, work_dir: str) -> dict[str, str]:
     """The tiny fixtures at depth 2+1 (same widths and latent sizes; 12 adapter targets), ~10x faster to sample,
-    written as ``<models_root>/diffusion_models/<sub>/h3rel_small_nvfp4.safetensors`` and
-    ``<models_root>/loras/<sub>/h3rel_small_turbo_{4,8}step.safetensors``. Returns {"unet", "lora_4step",
-    "lora_8step"}: names as ComfyUI lists them (``<sub>/<file>``), plus the same keys + "_path"."""
+    written as ``<models_root>/diffusion_models/<sub>/h3rel_small_{nvfp4,bf16}.safetensors`` and
+    ``<models_root>/loras/<sub>/h3rel_small_turbo_{4,8}step.safetensors``. Returns {"unet", "unet_bf16",
+    "lora_4step", "lora_8step"}: names as ComfyUI lists them (``<sub>/<file>``), plus the same keys + "_path"."""
     import dataclasses
 
     from h3_turbo.tools.fixtures import TinyH3Config, make_fixtures
@@ -263,11 +336,12 @@ def write_small_fixtures(models_root: str, sub: str, work_dir: str) -> dict[str,
                                                       refiner_layers=SMALL_LAYERS[1]))
     out = {}
     for key, folder, name in (("unet", "diffusion_models", "h3rel_small_nvfp4.safetensors"),
+                              ("unet_bf16", "diffusion_models", "h3rel_small_bf16.safetensors"),
                               ("lora_4step", "loras", "h3rel_small_turbo_4step.safetensors"),
                               ("lora_8step", "loras", "h3rel_small_turbo_8step.safetensors")):
         d = os.path.join(models_root, folder, sub)
         os.makedirs(d, exist_ok=True)
-        shutil.copy(src["nvfp4" if key == "unet" else key], os.path.join(d, name))
+        shutil.copy(src[{"unet": "nvfp4", "unet_bf16": "bf16"}.get(key, key)], os.path.join(d, name))
         out[key] = f"{sub}/{name}"
         out[key + "_path"] = os.path.join(d, name)
     return out
@@ -376,3 +450,61 @@ def fingerprint_parts(model_patcher) -> dict[str, str]:
             h.update(f"{name}:{mod.__dict__['forward']!r}".encode())
     parts["forward_overrides"] = h.hexdigest()
     return parts
+
+
+# ----------------------------------------------------------------------------------------------- issue 18
+#: model files of issue 18: bad values anywhere (item 3), missing blocks (item 5), newer-core variants (item 11)
+MODEL_CASES_2 = ("bf16_nan_projection", "bf16_inf_output_head", "nvfp4_nan_output_bias", "depth_49", "depth_25",
+                 "block_hole", "pdd_heads")
+
+
+def build_model_corpus_2(fixtures: dict, out_dir: str) -> dict[str, str]:
+    """One file per :data:`MODEL_CASES_2` into ``out_dir`` (from the 50+2-block BF16 / NVFP4 fixtures)."""
+    key = ("model2", os.path.abspath(out_dir))
+    if key in _MEMO:
+        return dict(_MEMO[key])
+    os.makedirs(out_dir, exist_ok=True)
+    p = lambda n: os.path.join(out_dir, f"{n}.safetensors")  # noqa: E731
+    bf, bmeta = _load(fixtures["bf16"])
+    nv, nmeta = _load(fixtures["nvfp4"])
+    out = {}
+
+    def put(name, base, meta, **set_):
+        d = dict(base)
+        for k, v in set_.items():
+            d[k.replace("__", ".")] = v
+        out[name] = _save(d, p(name), meta)
+
+    w = bf["blocks.3.attn.out_proj.weight"].clone()
+    w[0, 0] = float("nan")
+    put("bf16_nan_projection", bf, bmeta, blocks__3__attn__out_proj__weight=w)
+    w = bf["final_layer.video_out.weight"].clone()
+    w[1, 2] = float("inf")
+    put("bf16_inf_output_head", bf, bmeta, final_layer__video_out__weight=w)
+    b = nv["final_layer.audio_out.bias"].clone()
+    b[5] = float("nan")
+    put("nvfp4_nan_output_bias", nv, nmeta, final_layer__audio_out__bias=b)
+    for name, gone in (("depth_49", range(49, 50)), ("depth_25", range(25, 50)), ("block_hole", range(10, 11))):
+        drop = tuple(f"blocks.{i}." for i in gone)
+        out[name] = _save({k: v for k, v in nv.items() if not k.startswith(drop)}, p(name), nmeta)
+    pdd = dict(bf)
+    for head in ("video_out", "audio_out"):   # a bank of 2 heads: rows [head 0; head 1 - head 0]
+        for s in ("weight", "bias"):
+            t = bf[f"final_layer.{head}.{s}"]
+            pdd[f"final_layer.{head}.{s}"] = torch.cat([t, t * 0.01], 0)
+    out["pdd_heads"] = _save(pdd, p("pdd_heads"), bmeta)
+    assert set(out) == set(MODEL_CASES_2)
+    _MEMO[key] = out
+    return dict(out)
+
+
+def with_vsa_gates(src: str, dst: str) -> str:
+    """``src`` plus an ``attn.to_gate_compress.weight`` [inner, hidden] bf16 on every DiT block (FastVideo's VSA
+    gate, which core's dense forward ignores)."""
+    sd, meta = _load(src)
+    g = torch.Generator().manual_seed(18)
+    for k in [k for k in sd if k.endswith(".attn.qkv_proj.weight") and k.startswith("blocks.")]:
+        hidden, inner = sd[k.replace("qkv_proj", "out_proj")].shape     # a bf16 file: out_proj [hidden, inner]
+        gate = torch.randn(inner, hidden, generator=g) * 0.02
+        sd[k.replace("qkv_proj", "to_gate_compress")] = gate.to(torch.bfloat16)
+    return _save(sd, dst, meta)

@@ -92,7 +92,7 @@ def demo_and_inspect() -> dict:
     files = dict(corpus.build_model_corpus(fx, cdir))
     for name, path in sorted(files.items()):
         rep, findings = inspect_ckpt.inspect_file(path)
-        rep = {k: v for k, v in rep.items() if k != "path"}
+        rep = {k: v for k, v in rep.items() if k not in ("path", "values_checked")}  # values_checked: timings
         out[f"inspect.{name}"] = _h(json.dumps([rep, [f.replace(path, "<path>") for f in findings]], sort_keys=True, default=str))
     return out
 

@@ -410,6 +410,10 @@ def detect_dmd(path: str) -> DMDDetection:
     logical: dict[str, tuple[str, tuple[int, ...], tuple[str, ...], str]] = {}   # core key -> (dtype, shape, src, op)
     for mod, params in mods.items():
         _group_module(det, T, mod, params, logical)
+    for k, v in logical.items():
+        det.source_names[k] = v[2]
+    for s_, lay in det.int8_layers.items():
+        det.source_names[f"{s_}.weight"] = lay.weights
     # ---- config from the shapes
     cfg = _config(det, logical, src.config)
     det.config = cfg
@@ -462,13 +466,10 @@ def detect_dmd(path: str) -> DMDDetection:
         if k in logical:
             dt, shp, srcs, op = logical[k]
             det.entries.append(CoreEntry(k, op, srcs, dt, tuple(shp)))
-            det.source_names[k] = srcs
     if "rope.inv_freq" not in logical:
         det.entries.append(CoreEntry("rope.inv_freq", "rope", (), "F32", (cfg.rope_freq_dim,)))
         det.info(f"rope.inv_freq recomputed (rope_freq_dim {cfg.rope_freq_dim}, theta {cfg.rope_theta:g}): the "
                  "Diffusers converter drops it as a pure function of the config")
-    for s, lay in det.int8_layers.items():
-        det.source_names[f"{s}.weight"] = lay.weights
     det._prefix = pfx
     return det
 

@@ -63,6 +63,11 @@ def _entry(path: str, obj, where: str) -> ManifestEntry:
     return ManifestEntry(os.path.normpath(path), size, sha)
 
 
+def _is_sha(s: str) -> bool:
+    s = s.lower().removeprefix("sha256:")
+    return len(s) == 64 and all(c in "0123456789abcdef" for c in s)
+
+
 def manifest_entries(path: str) -> dict[str, ManifestEntry]:
     """The files a ``manifest.json`` lists: {normalized relative path: entry}. CheckpointError (with the keys found)
     for a schema this reader does not understand."""
@@ -82,9 +87,11 @@ def manifest_entries(path: str) -> dict[str, ManifestEntry]:
             e = _entry(p, it, path)
             out[e.path] = e
     elif isinstance(items, dict):
+        top = items is obj
         for p, it in items.items():
-            if not isinstance(it, (dict, str)):
-                continue   # scalar metadata (repo, revision, ...)
+            if not isinstance(it, (dict, str)) or (top and isinstance(it, str) and not _is_sha(it)) or \
+                    (top and isinstance(it, dict) and not any(k in it for k in _SIZE_KEYS + _SHA_KEYS)):
+                continue   # top-level metadata (repo, revision, ...)
             e = _entry(p, it, path)
             out[e.path] = e
     if not out or all(e.size is None and e.sha256 is None for e in out.values()):
@@ -303,6 +310,23 @@ def adaln_weight_source(path: str):
     return dims, (lambda k: r.get(src[k])), r.close, os.path.basename(p.rstrip("/"))
 
 
+def ensure_comfy(device: str = "cpu") -> None:
+    """Make core's modules importable outside a running ComfyUI: its checkout on ``sys.path`` (``$COMFYUI_PATH`` or
+    ``~/ComfyUI``) and, when ComfyUI is not imported yet, its ``--cpu`` flag for a CPU ``device`` (core's model
+    management would look for a GPU otherwise). Inside ComfyUI it changes nothing."""
+    if "comfy.model_management" in sys.modules:
+        return
+    from ..harness import find_comfyui
+
+    p = str(find_comfyui())
+    if p not in sys.path:
+        sys.path.insert(0, p)
+    from comfy.cli_args import args
+
+    if torch.device(device).type == "cpu":
+        args.cpu = True
+
+
 def make_adaln_table(model: str, sched_spec: str, out: str, dtype: str = "bf16", device: str = "cpu",
                      progress: Callable[[int, int], None] | None = None) -> dict:
     """Compute the AdaLN table of ``model`` for the schedule ``sched_spec`` (:func:`h3_turbo.runtime.adaln.schedule`)
@@ -310,6 +334,7 @@ def make_adaln_table(model: str, sched_spec: str, out: str, dtype: str = "bf16",
     ``fp32`` for ComfyUI on the CPU). Needs ComfyUI importable (core's H3 modules compute the rows)."""
     from ..runtime import adaln as A
 
+    ensure_comfy(device)
     dt = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[dtype]
     sched = A.schedule(sched_spec)
     groups = A.timestep_groups(sched)
@@ -454,12 +479,10 @@ def cmd_export(args) -> int:
 
 
 def cmd_adaln(args) -> int:
-    from ..harness import ComfyUINotFound, find_comfyui
+    from ..harness import ComfyUINotFound
 
     try:
-        p = str(find_comfyui())
-        if p not in sys.path:
-            sys.path.insert(0, p)
+        ensure_comfy(args.device)
     except ComfyUINotFound as e:
         print(f"error: adaln-table computes with ComfyUI's H3 modules: {e}", file=sys.stderr)
         return 1
@@ -494,3 +517,91 @@ def add_parsers(sub) -> None:
                    help="the runtime's compute dtype (bf16 on GPUs; fp32 for ComfyUI on the CPU)")
     a.add_argument("--device", default="cpu")
     a.set_defaults(func=cmd_adaln)
+
+
+# --------------------------------------------------------------------------------------------- inspect
+
+def is_dmd_path(path: str) -> bool:
+    """True for what ``inspect`` hands to :func:`inspect_dmd`: a folder, a shard index, or a file a release scheme
+    (Diffusers names, Int8Linear layers) claims."""
+    if os.path.isdir(path) or path.endswith(fdmd.INDEX_SUFFIX):
+        return True
+    from ..formats import registry
+    from ..formats.safetensors_io import read_header
+    from ..formats.schemes.base import HeaderView
+
+    try:
+        return registry.identify_release(HeaderView.of(read_header(path)))[0] is not None
+    except CheckpointError:
+        return False
+
+
+def _det_report(det) -> dict:
+    c = det.config
+    return {"path": det.path, "format": det.format, "evidence": str(det.evidence) if det.evidence else None,
+            "naming": det.naming, "qkv": det.qkv, "files": len(det.source.files),
+            "tensors": len(det.source.header.tensors), "tensors_by_dtype": dict(sorted(det.dtype_counts.items())),
+            "config": None if c is None else asdict(c), "w8a8_layers": len(det.int8_layers),
+            "adaln_weights": det.has_adaln, "final_adaln_weights": det.has_final_adaln,
+            "metadata_format": det.metadata.get("format"), "errors": len(det.errors), "ok": not det.errors}
+
+
+def inspect_dmd(path: str) -> tuple[dict, list[str]]:
+    """``inspect`` for the DMD formats: (report, findings as text) for a release folder, an index or a file."""
+    from ..runtime.adaln import read_table
+
+    rep: dict = {"path": path, "kind": "dmd", "ok": True}
+    findings: list[str] = []
+    try:
+        rel = fdmd.find_release(path)
+    except CheckpointError as e:
+        return dict(rep, ok=False), [f"[error] {e}"]
+    rep["release"] = {k: getattr(rel, k) for k in ("bf16", "w8a8", "adaln", "manifest")}
+    rep["weights"] = []
+    for p in dict.fromkeys(x for x in (rel.bf16, rel.w8a8) if x):
+        try:
+            det = fdmd.detect_dmd(p)
+        except CheckpointError as e:
+            rep["weights"].append({"path": p, "ok": False})
+            findings.append(f"[error] {e}")
+            rep["ok"] = False
+            continue
+        r = _det_report(det)
+        rep["weights"].append(r)
+        rep["ok"] &= r["ok"]
+        findings += [f"{os.path.basename(p)}: {f}" for f in det.findings]
+    if rel.adaln:
+        try:
+            rep["adaln"] = read_table(rel.adaln).describe()
+        except CheckpointError as e:
+            rep["adaln"] = None
+            findings.append(f"[error] adaln: {e}")
+            rep["ok"] = False
+    return rep, findings
+
+
+def print_dmd_report(rep: dict, findings: list[str]) -> None:
+    print(f"path: {rep['path']}  (TurboH3 DMD / H3 Diffusers checkpoint)")
+    for k, v in (rep.get("release") or {}).items():
+        if v:
+            print(f"  {k}: {v}")
+    for w in rep.get("weights", []):
+        print(f"weights: {w['path']}")
+        if "format" not in w:
+            continue
+        print(f"  format: {w['format']} ({w['evidence']}); naming {w['naming']}, Q/K/V {w['qkv']}; "
+              f"{w['files']} file(s), {w['tensors']} tensors: " + ", ".join(f"{k} {v}" for k, v in w["tensors_by_dtype"].items()))
+        c = w["config"]
+        if c:
+            print(f"  H3 config: hidden {c['hidden']}, heads {c['heads']} x {c['head_dim']}, ffn {c['ffn']}, blocks "
+                  f"{c['layers']} + refiner {c['refiner_layers']}, text_dim {c['text_dim']}, time {c['freq_dim']}->"
+                  f"{c['time_hidden']}->{c['time_dim']}, rope_freq_dim {c['rope_freq_dim']}")
+        print(f"  W8A8 layers: {w['w8a8_layers']}; AdaLN weights: blocks {'yes' if w['adaln_weights'] else 'no'}, "
+              f"final {'yes' if w['final_adaln_weights'] else 'no'}" +
+              (f"; metadata format {w['metadata_format']!r}" if w.get("metadata_format") else ""))
+    if "adaln" in rep:
+        print(f"adaln table: {rep['adaln']}")
+    print(f"findings: {len(findings)}" + ("" if findings else " (none)"))
+    for f in findings:
+        print("  " + f)
+    print("RESULT: " + ("OK" if rep["ok"] else "ERRORS"))

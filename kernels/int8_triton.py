@@ -127,16 +127,21 @@ def _bucket(m: int) -> int:
 def gemm(x2d: torch.Tensor, w: Int8Weight, out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """W8A8 ``x @ W^T``: x2d [M, K] (quantized per call by :func:`quantize_blocks`) -> [M, N] in ``out_dtype``
     (default x's dtype; bf16/fp16/fp32)."""
-    m, k = x2d.shape
+    if x2d.shape[1] != w.in_features:
+        raise ValueError(f"int8 gemm: input has {x2d.shape[1]} features, weight {w.in_features}")
+    xq, sx = quantize_blocks(x2d)
+    return gemm_quantized(xq, sx, w, out_dtype or x2d.dtype)
+
+
+def gemm_quantized(xq: torch.Tensor, sx: torch.Tensor, w: Int8Weight, out_dtype: torch.dtype) -> torch.Tensor:
+    """The GEMM of :func:`gemm` on activations already quantized by :func:`quantize_blocks` (benchmarks)."""
+    m, k = xq.shape
     n = w.out_features
-    if k != w.in_features:
-        raise ValueError(f"int8 gemm: input has {k} features, weight {w.in_features}")
-    out = torch.empty((m, n), device=x2d.device, dtype=out_dtype or x2d.dtype)
+    out = torch.empty((m, n), device=xq.device, dtype=out_dtype)
     if m == 0:
         return out
     if max(m * k, n * k, m * n) >= 2 ** 31:
         raise ValueError(f"int8 gemm: 32-bit offsets overflow for M={m}, N={n}, K={k}; split the rows")
-    xq, sx = quantize_blocks(x2d)
     sw = w.scale
     args = (xq, sx, w.qdata, sw, out, m, n, k, sx.shape[1], xq.stride(0), w.qdata.stride(0), out.stride(0),
             sx.stride(0), sw.stride(0), w.row_group, _bucket(m), INTERPRET)

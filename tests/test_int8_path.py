@@ -134,3 +134,20 @@ def test_triton_int8_kernels_interpreted_on_cpu():
                           timeout=600, cwd=os.path.dirname(here))
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
     assert " passed" in proc.stdout and "skipped" not in proc.stdout.splitlines()[-1], proc.stdout[-1000:]
+
+
+def test_benchmark_dry_run_on_cpu(tmp_path):
+    """benchmarks/bench_int8.py with DRY=1 (tiny shapes on the CPU) writes its JSON and markdown."""
+    import json
+
+    here = os.path.dirname(__file__)
+    env = dict(os.environ, DRY="1", S_LIST="64", OUT=str(tmp_path), CUDA_VISIBLE_DEVICES="")
+    proc = subprocess.run([sys.executable, os.path.join(os.path.dirname(here), "benchmarks", "bench_int8.py")],
+                          env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    res = json.loads((tmp_path / "bench_int8_h200_dry.json").read_text())
+    assert [r["shape"] for r in res["results"]] == ["qkv", "out", "fc1", "fc2"]
+    assert set(res["results"][0]["ms"]) == {"bf16", "int8", "fp8"}
+    e = res["results"][0]["err"]["w_gauss/x_gauss"]
+    assert e["int8_vs_recipe_fp64"] < 4e-3 and 1e-4 < e["int8_vs_bf16"] < 0.03
+    assert (tmp_path / "bench_int8_h200_dry.md").read_text().startswith("# W8A8 int8 vs bf16 vs fp8")

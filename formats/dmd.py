@@ -662,11 +662,41 @@ def int8_weight_of(lay: Int8Layer, get: Callable[[str], torch.Tensor]) -> ib.Int
     return w
 
 
-def iter_core(det: DMDDetection, adaln: bool = True, progress: Callable[[int, int], None] | None = None
-              ) -> Iterator[tuple[str, torch.Tensor]]:
+def _scale_rows(det: DMDDetection, lay: Int8Layer) -> int:
+    """Rows of the core-layout scale :func:`int8_weight_of` makes for ``lay`` (from the header only)."""
+    T = det.source.header.tensors
+    parts = [(T[w].shape[0], T[s].shape[0]) for w, s in zip(lay.weights, lay.scales)]
+    blocks = all(sr == ib.cdiv(n, ib.BLOCK) and n % ib.BLOCK == 0 for n, sr in parts)
+    if lay.op == "qkv":
+        return sum(sr for _, sr in parts) if blocks else lay.n
+    n, sr = parts[0]
+    grouped = sr == ib.cdiv(n, ib.BLOCK)
+    if lay.op == "swap":
+        return sr if grouped and (n // 2) % ib.BLOCK == 0 else n
+    return sr
+
+
+def core_plan(det: DMDDetection, adaln: bool = True) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """``{core key: (safetensors dtype, shape)}`` of what :func:`iter_core` yields, from the headers alone."""
+    out = {}
+    for e in det.entries:
+        if adaln or not _is_block_adaln(e.key):
+            out[e.key] = (e.dtype, tuple(e.shape))
+    T = det.source.header.tensors
+    for s, lay in det.int8_layers.items():
+        out[f"{s}.weight"] = ("I8", (lay.n, lay.k))
+        out[f"{s}.{INT8_SCALE}"] = ("F32", (_scale_rows(det, lay), ib.cdiv(lay.k, ib.BLOCK)))
+        if lay.bias:
+            out[f"{s}.bias"] = (T[lay.bias].dtype, tuple(T[lay.bias].shape))
+    return out
+
+
+def iter_core(det: DMDDetection, adaln: bool = True, progress: Callable[[int, int], None] | None = None,
+              only: set[str] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield ``(core key, tensor)`` for the whole checkpoint, converting as it reads (one entry in memory at a time).
-    ``adaln=False`` skips the DiT blocks' AdaLN weights (an AdaLN table replaces them). Float tensors keep their
-    stored dtype (the 12 fp32-island tensors stay fp32); W8A8 layers yield ``P.weight`` int8 and ``P.int8_scale``."""
+    ``adaln=False`` skips the DiT blocks' AdaLN weights (an AdaLN table replaces them); ``only``: just these core
+    keys (a W8A8 layer is read when its ``weight`` is asked for). Float tensors keep their stored dtype (the 12
+    fp32-island tensors stay fp32); W8A8 layers yield ``P.weight`` int8 and ``P.int8_scale``."""
     det.raise_if_errors()
     cfg = det.config
     pfx = getattr(det, "_prefix", "")
@@ -678,7 +708,7 @@ def iter_core(det: DMDDetection, adaln: bool = True, progress: Callable[[int, in
 
         for e in det.entries:
             done += 1
-            if not adaln and _is_block_adaln(e.key):
+            if (not adaln and _is_block_adaln(e.key)) or (only is not None and e.key not in only):
                 continue
             if e.op == "rope":
                 yield e.key, rope_inv_freq(cfg.rope_freq_dim, cfg.rope_theta)
@@ -692,6 +722,8 @@ def iter_core(det: DMDDetection, adaln: bool = True, progress: Callable[[int, in
                 progress(done, total)
         for s, lay in det.int8_layers.items():
             done += 1
+            if only is not None and f"{s}.weight" not in only:
+                continue
             w = int8_weight_of(lay, get)
             yield f"{s}.weight", w.qdata
             yield f"{s}.{INT8_SCALE}", w.scale

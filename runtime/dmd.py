@@ -7,7 +7,9 @@ Order of work (a failed load builds nothing and touches no loaded model):
 2. detect and validate the weights from their headers (:func:`~h3_turbo.formats.dmd.detect_dmd`), check the sizes
    ``manifest.json`` records, read the AdaLN table when one is used (:mod:`.adaln`) and check that it fits;
 3. stream the weights into core's names (:func:`~h3_turbo.formats.dmd.iter_core`; BF16 projections quantized to
-   W8A8 on load for ``compute=int8``), leaving out the AdaLN weights a table replaces;
+   W8A8 on load for ``compute=int8``), leaving out the AdaLN weights a table replaces; tensors of 1 MiB and more
+   are placeholders while core builds the model and are then streamed into it one at a time (peak memory: the
+   model plus one tensor);
 4. build core's H3 with core's loader (``comfy.sd.load_diffusion_model_state_dict``) and the operations core itself
    would pick for this state dict (``comfy.ops.pick_operations``), extended by :func:`make_dmd_operations` with
    W8A8 layers; then install the table (:func:`.adaln.install`), set the compute path, attach the DMD contract
@@ -117,6 +119,60 @@ def _quantize_stream(items, quantize: bool, device):
             yield k, t
 
 
+#: tensors from this size on are placeholders while core builds the model, then streamed into it
+PLACEHOLDER_BYTES = 1 << 20
+
+
+def _st_dtype(st: str) -> torch.dtype:
+    from ..formats.safetensors_io import torch_dtype
+
+    return torch_dtype(st)
+
+
+def _nbytes(st: str, shape) -> int:
+    from ..formats.safetensors_io import DTYPE_BYTES
+
+    n = DTYPE_BYTES[st]
+    for d in shape:
+        n *= d
+    return n
+
+
+def _stream_plan(plan: dict, quantize: bool) -> dict:
+    """:func:`~h3_turbo.formats.dmd.core_plan` as :func:`_quantize_stream` changes it (block projections int8 +
+    ``int8_scale``)."""
+    if not quantize:
+        return plan
+    out = {}
+    for k, (dt, shp) in plan.items():
+        stem = k[: -len(".weight")] if k.endswith(".weight") else None
+        if stem and k.startswith("blocks.") and stem.split(".", 2)[2] in QUANTIZED_PROJECTIONS:
+            out[k] = ("I8", shp)
+            out[f"{stem}.{fdmd.INT8_SCALE}"] = ("F32", (ib.cdiv(shp[0], ib.BLOCK), ib.cdiv(shp[1], ib.BLOCK)))
+        else:
+            out[k] = (dt, shp)
+    return out
+
+
+def _layer_key(key: str) -> str:
+    """The key :func:`~h3_turbo.formats.dmd.iter_core` reads a W8A8 layer by (its ``weight``)."""
+    return key[: -len(fdmd.INT8_SCALE)] + "weight" if key.endswith(fdmd.INT8_SCALE) else key
+
+
+def _fill(dm, key: str, t: torch.Tensor) -> None:
+    """Copy ``t`` into the built model's tensor ``key`` (as ``load_state_dict`` would: ``copy_``, converting dtype);
+    W8A8 layers: ``weight`` -> ``int8_weight``, ``int8_scale``."""
+    path, _, name = key.rpartition(".")
+    mod = dm.get_submodule(path)
+    if name == "weight" and getattr(mod, "int8_weight", None) is not None:
+        name = "int8_weight"
+    dst = getattr(mod, name)
+    if tuple(dst.shape) != tuple(t.shape):
+        raise CheckpointError(key, f"streamed tensor {list(t.shape)} does not fit the built model's {list(dst.shape)}")
+    with torch.no_grad():
+        dst.data.copy_(t)
+
+
 def check_manifest_sizes(rel: fdmd.Release, files: list[str]) -> None:
     """Sizes recorded in the release's manifest.json for the files about to be loaded (cheap; SHA-256 is
     ``verify-release``'s job): CheckpointError naming the file on a mismatch."""
@@ -199,10 +255,14 @@ def load_dmd_model(path: str, adaln: str = ADALN_AUTO, compute: str = "auto", di
     if quantize:
         log.info("%s: BF16 weights, compute=int8: quantizing the %d DiT-block projections to W8A8 (TurboDiffusion's "
                  "128x128 recipe) while loading", weights, 4 * cfg.layers)
-    pbar = comfy.utils.ProgressBar(max(len(det.entries) + len(det.int8_layers), 1))
     qdev = load_device if torch.device(load_device).type == "cuda" else "cpu"
-    sd = dict(_quantize_stream(fdmd.iter_core(det, adaln=table is None,
-                                              progress=lambda d, t: pbar.update_absolute(d, t)), quantize, qdev))
+    # core builds the model from a state dict whose large tensors are placeholders (uninitialized, never touched:
+    # no memory), then they are streamed into the built model one at a time: peak = the model + one tensor
+    plan = _stream_plan(fdmd.core_plan(det, adaln=table is None), quantize)
+    big = {k for k, (dt, shp) in plan.items() if _nbytes(dt, shp) >= PLACEHOLDER_BYTES}
+    sd = dict(_quantize_stream(fdmd.iter_core(det, adaln=table is None, only=set(plan) - big), quantize, qdev))
+    for k in big:
+        sd[k] = torch.empty(plan[k][1], dtype=_st_dtype(plan[k][0]))
     int8 = quantize or bool(det.int8_layers)
     sup = comfy.supported_models.MiniMaxH3.supported_inference_dtypes
     unet_dtype = mm.unet_dtype(model_params=comfy.utils.calculate_parameters(sd), supported_dtypes=sup,
@@ -217,6 +277,14 @@ def load_dmd_model(path: str, adaln: str = ADALN_AUTO, compute: str = "auto", di
     if mp is None:
         raise CheckpointError(weights, "ComfyUI could not detect the model type of the converted state dict")
     dm = mp.model.diffusion_model
+    pbar = comfy.utils.ProgressBar(max(len(big), 1))
+    done = 0
+    for k, t in _quantize_stream(fdmd.iter_core(det, adaln=table is None, only=big | {_layer_key(b) for b in big}),
+                                 quantize, qdev):
+        if k in big:
+            _fill(dm, k, t)
+            done += 1
+            pbar.update_absolute(done, len(big))
     n8 = 0
     for name, mod in dm.named_modules():
         if getattr(mod, "int8_weight", None) is not None:

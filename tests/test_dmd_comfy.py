@@ -197,3 +197,41 @@ def test_dmd_contract_lora_refusal_and_missing_table(comfy, release):
         H3TurboDMDLoader.execute(W8A8, "auto", "int8")
     with pytest.raises(CheckpointError, match="adaln=none computes the AdaLN from the weights, but these weights have none"):
         H3TurboDMDLoader.execute(FOLDER, "none", "int8")
+
+
+def test_failed_dmd_loads_leave_a_loaded_model_untouched(comfy, release, tmp_path):
+    import shutil
+
+    from corpus import model_fingerprint  # tests/ is on sys.path
+    from h3_turbo.errors import CheckpointError
+    from h3_turbo.runtime.dmd import load_dmd_model
+
+    mp = load_dmd_model(release["root"], "auto", "int8")
+    before = model_fingerprint(mp)
+    bad = shutil.copytree(release["root"], tmp_path / "rel")
+    os.remove(bad / "transformer" / "diffusion_pytorch_model-00003-of-00003.safetensors")
+    (bad / "adaln" / "adaln_dmd.safetensors").write_bytes(b"version https://git-lfs.github.com/spec/v1\n")
+    with pytest.raises(CheckpointError, match="missing shard"):
+        load_dmd_model(str(bad), "none", "reference")
+    with pytest.raises(CheckpointError, match="Git LFS pointer"):
+        load_dmd_model(str(bad), "auto", "int8")
+    assert model_fingerprint(mp) == before
+
+
+@pytest.mark.parametrize("which,compute", [("index", "reference"), ("root", "int8"), ("index", "int8")])
+def test_streamed_placeholders_build_the_same_model(release, monkeypatch, which, compute):
+    """Large tensors are placeholders while core builds the model and are streamed in afterwards
+    (runtime/dmd.py PLACEHOLDER_BYTES; the tiny model has none that large): streaming every tensor gives the same
+    model, bit for bit (BF16, W8A8 from the file, BF16 quantized on load)."""
+    from h3_turbo.runtime import dmd
+
+    def sd_of(mp):
+        return {k: v for k, v in mp.model.diffusion_model.state_dict().items()}
+
+    adaln = "none" if which == "index" else "auto"
+    ref = sd_of(dmd.load_dmd_model(release[which], adaln, compute))
+    monkeypatch.setattr(dmd, "PLACEHOLDER_BYTES", 1)
+    got = sd_of(dmd.load_dmd_model(release[which], adaln, compute))
+    assert sorted(got) == sorted(ref)
+    assert [k for k in ref if not (got[k].dtype == ref[k].dtype and torch.equal(got[k], ref[k]))] == []
+    assert any(k.endswith("int8_weight") for k in ref) == (compute == "int8")

@@ -382,9 +382,10 @@ def detect_dmd(path: str) -> DMDDetection:
         return det
     if det.scheme is None:
         keys = set(view.tensors)
-        det.error("not a TurboH3 DMD / H3 Diffusers checkpoint (no Diffusers H3 names, no Int8Linear layers): looks "
-                  f"like {_looks_like(keys)}" + ("; load core-named NVFP4/BF16 files with Load H3 NVFP4 Diffusion "
-                                                 "Model" if "video_patch_proj.weight" in keys else ""))
+        what = ("a core-named quantized MiniMax H3 (NVFP4 / ComfyUI quant formats): load it with Load H3 NVFP4 "
+                "Diffusion Model" if "video_patch_proj.weight" in keys else f"looks like {_looks_like(keys)}")
+        det.error(f"not a TurboH3 DMD / H3 Diffusers checkpoint (no Diffusers H3 names, no Int8Linear layers, no "
+                  f"float core-named H3): {what}")
         return det
     pfx = view.prefix
     T = view.tensors

@@ -269,7 +269,11 @@ def load_dmd_model(path: str, adaln: str = ADALN_AUTO, compute: str = "auto", di
                                weight_dtype=comfy.utils.weight_dtype(sd))
     manual = mm.unet_manual_cast(unet_dtype, load_device, sup)
     base = comfy.ops.pick_operations(unet_dtype, manual, load_device=load_device)
-    skip = tuple(f"blocks.{i}.adaln_proj." for i in range(cfg.layers)) if table is not None else ()
+    skip = ()
+    if table is not None:
+        skip = tuple(f"blocks.{i}.adaln_proj." for i in range(cfg.layers))
+        if table.final is not None and not det.has_final_adaln:
+            skip += ("final_layer.adaln_proj.",)
     ops = make_dmd_operations(base, skip)
     mp = comfy.sd.load_diffusion_model_state_dict(sd, model_options={"custom_operations": ops, "dtype": unet_dtype},
                                                   metadata=fdmd.core_metadata(det),

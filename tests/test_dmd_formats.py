@@ -317,3 +317,16 @@ def test_renoise_loop_fresh_noise_from_the_generator_and_x0_at_the_end():
     assert resolve_update("auto", contracts.KNOWN_ARTIFACTS[0].contract) == "euler" and resolve_update("auto", None) == "euler"
     with pytest.raises(ValueError, match="update must be one of"):
         resolve_update("ddim", None)
+
+
+def test_core_named_bf16_is_read_and_nvfp4_is_sent_to_the_nvfp4_loader(rel, tmp_path):
+    det = D.detect_dmd(rel["core"])
+    assert det.errors == [] and det.format == "diffusers_bf16" and det.naming == "core" and det.qkv == "fused"
+    got = dict(D.iter_core(det))
+    assert all(_bytes_equal(got[k], v) for k, v in rel["state_dict"].items()) and sorted(got) == sorted(rel["state_dict"])
+    sd = dict(rel["state_dict"])
+    sd["blocks.0.mlp.fc2.comfy_quant"] = torch.tensor(list(b'{"format": "nvfp4"}'), dtype=torch.uint8)
+    p = str(tmp_path / "q.safetensors")
+    save_file(sd, p)
+    assert "core-named quantized MiniMax H3 (NVFP4 / ComfyUI quant formats): load it with Load H3 NVFP4" in \
+        str(D.detect_dmd(p).errors[0])

@@ -531,9 +531,12 @@ def is_dmd_path(path: str) -> bool:
     from ..formats.schemes.base import HeaderView
 
     try:
-        return registry.identify_release(HeaderView.of(read_header(path)))[0] is not None
+        view = HeaderView.of(read_header(path))
+        scheme = registry.identify_release(view)[0]
     except CheckpointError:
         return False
+    # a core-named float H3 keeps the standard inspect (it is also the NVFP4 loader's plain input)
+    return scheme is not None and (scheme.quantized or "video_patch_proj.weight" not in view.tensors)
 
 
 def _det_report(det) -> dict:

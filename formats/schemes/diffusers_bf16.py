@@ -21,6 +21,10 @@ class DiffusersBF16(ReleaseScheme):
             return None
         marks = [k for k in DIFFUSERS_MARKERS if k in view.tensors]
         if not marks:
+            core = view.tensors.get("blocks.0.attn.qkv_proj.weight")
+            if "video_patch_proj.weight" in view.tensors and core is not None and core.dtype in ("BF16", "F16", "F32") \
+                    and not view.quant_marked:
+                return Evidence("core H3 names with float block projections and no quantization marker")
             return None
         mapped = sum(1 for k in view.tensors if map_key(k) is not None)
         return Evidence(f"Diffusers H3 names ({', '.join(marks)}; {mapped}/{len(view.tensors)} keys map to core "

@@ -18,8 +18,9 @@ those outputs for given timesteps, so the 13 B AdaLN parameters need not be load
   without the visual condition rows at 0.999), reproducing core's fp32 arithmetic;
 - :func:`compute_table`: the rows from BF16 (or NVFP4-file) weights with core's own ``TimeEmbedder`` / ``AdalnProj``
   modules (fp32 timestep MLP, rows in the model's compute dtype), one group per batch as core's forward;
-- :func:`install`: put a table into a built H3 (``time_embedder`` -> row lookup, every ``adaln_proj`` -> its rows);
-  core's forward runs unchanged around them.
+- :func:`install`: put a table into a built H3 (``time_embedder`` -> row lookup, every ``adaln_proj`` -> its rows;
+  the DMD loader, whose model never loads the AdaLN weights); :func:`patch`: the same as ModelPatcher object
+  patches on a clone (any loaded H3 keeps its weights); core's forward runs unchanged around them.
 """
 from __future__ import annotations
 
@@ -31,6 +32,7 @@ from typing import Callable
 
 import torch
 
+from .. import state
 from ..errors import CheckpointError
 from ..logs import log, log_once
 
@@ -39,6 +41,8 @@ FORMAT_VERSION = 1
 #: core's ``VISUAL_COND_TIMESTEP`` (condition rows pinned at max(t_v, 0.999); docs/h3-facts.md)
 VISUAL_COND_T = 0.999
 _ENC = 128.0   # row index = hi * 128 + lo (both exact in bf16 / fp16)
+#: forwards served by AdaLN tables, by how their rows were found: "group" (one stored batch) or "composed"
+LOOKUPS = state.Counters("adaln_table_lookups", ("group", "composed"))
 
 
 # --------------------------------------------------------------------------------------------- schedules
@@ -163,6 +167,7 @@ class AdaLNTable:
         key = _bits(t_vals.detach().float().cpu().tolist())
         for g, s in zip(self.groups, self.starts):
             if g == key:
+                LOOKUPS.incr("group")
                 return torch.arange(s, s + len(g))
         rows = []
         for b in key:
@@ -175,6 +180,7 @@ class AdaLNTable:
                                       expected="the table's schedule (steps, shifts) or adaln=none / a table for "
                                                "this schedule (`python -m h3_turbo.tools adaln-table`)")
             rows.append(hit)
+        LOOKUPS.incr("composed")
         log_once(("adaln-compose", self.path, key), "H3 Turbo AdaLN table %s: the timestep group %s is not stored "
                  "as one batch; its rows are taken per timestep from other groups (same values up to the GEMM's "
                  "batch-dependent rounding)", os.path.basename(self.path), [round(v, 6) for v in t_vals.tolist()])
@@ -257,6 +263,25 @@ def install(diffusion_model, table: AdaLNTable) -> int:
         log.info("H3 Turbo AdaLN table %s has no final-layer rows: the final layer computes its modulation from "
                  "its weights", table.path)
     return len(dm.blocks)
+
+
+def patch(model_patcher, table: AdaLNTable) -> None:
+    """The table on a ModelPatcher (call on a clone) as core object patches: ``time_embedder`` and every
+    ``adaln_proj`` are swapped while the clone runs and restored afterwards, so the base model keeps its AdaLN
+    weights (nothing is freed; :func:`install` is the loader's permanent form). CheckpointError when the table does
+    not fit the model."""
+    dm = model_patcher.model.diffusion_model
+    if getattr(dm, "use_adaln_curves", False):
+        raise CheckpointError(table.path, "the model is a pruned curve-form checkpoint (adaln_t_table): an AdaLN "
+                                          "table does not apply", expected="an unpruned H3")
+    table.check_fits(len(dm.blocks), dm.hidden_size, need_final=False)
+    pfx = "diffusion_model."
+    model_patcher.add_object_patch(pfx + "time_embedder", TableTimeEmbedder(table))
+    for i in range(len(dm.blocks)):
+        model_patcher.add_object_patch(f"{pfx}blocks.{i}.adaln_proj", TableAdaLN(table.blocks[i], 6, 3, dm.hidden_size))
+    final = TableAdaLN(table.final, 2, 1, dm.hidden_size) if table.final is not None else \
+        WeightAdaLN(table, dm.time_embedder, dm.final_layer.adaln_proj)
+    model_patcher.add_object_patch(pfx + "final_layer.adaln_proj", final)
 
 
 # --------------------------------------------------------------------------------------------- computing one

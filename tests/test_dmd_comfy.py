@@ -40,6 +40,25 @@ class _AttachDMD:
         return (m,)
 
 
+class _PatchTable:
+    """Test-only: put an AdaLN table on a clone of any H3 MODEL as object patches (runtime/adaln.py ``patch``)."""
+
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {"required": {"model": ("MODEL",), "table": ("STRING", {"default": ""})}}
+
+    RETURN_TYPES = ("MODEL",)
+    FUNCTION = "go"
+    CATEGORY = "h3_turbo_tests"
+
+    def go(self, model, table):
+        from h3_turbo.runtime import adaln
+
+        m = model.clone()
+        adaln.patch(m, adaln.read_table(table))
+        return (m,)
+
+
 @pytest.fixture(scope="module")
 def release(comfy, fixtures_dir, tmp_path_factory):
     import folder_paths
@@ -53,8 +72,10 @@ def release(comfy, fixtures_dir, tmp_path_factory):
     os.symlink(rel["adaln"], tables / "tiny_dmd_fp32.safetensors")
     folder_paths.add_model_folder_path("h3turbo_adaln", str(tables), is_default=True)
     nodes.NODE_CLASS_MAPPINGS["H3TurboTestAttachDMD"] = _AttachDMD
+    nodes.NODE_CLASS_MAPPINGS["H3TurboTestPatchTable"] = _PatchTable
     yield rel
     nodes.NODE_CLASS_MAPPINGS.pop("H3TurboTestAttachDMD", None)
+    nodes.NODE_CLASS_MAPPINGS.pop("H3TurboTestPatchTable", None)
 
 
 INDEX = f"{SUB}/TurboH3-tiny/transformer/diffusion_pytorch_model.safetensors.index.json"
@@ -69,13 +90,16 @@ def _dmd(name, adaln="auto", compute="reference"):
 _N = [0]
 
 
-def _prompt(loader: dict, update: str, seed: int = 42, core: bool = False) -> dict:
+def _prompt(loader: dict, update: str, seed: int = 42, core: bool = False, table: str | None = None) -> dict:
     _N[0] += 1                      # a fresh output name per run: ComfyUI caches identical graphs
     p = {"1": loader}
     m = ["1", 0]
     if core:
         p["2"] = {"class_type": "H3TurboTestAttachDMD", "inputs": {"model": m}}
         m = ["2", 0]
+    if table:
+        p["3"] = {"class_type": "H3TurboTestPatchTable", "inputs": {"model": m, "table": table}}
+        m = ["3", 0]
     p.update({
         "4": {"class_type": "H3TurboTestConditioning", "inputs": {"model": m, "seed": 0, "tokens": 8}},
         "5": {"class_type": "BasicGuider", "inputs": {"model": m, "conditioning": ["4", 0]}},
@@ -93,8 +117,8 @@ def _prompt(loader: dict, update: str, seed: int = 42, core: bool = False) -> di
     return p
 
 
-def _sample(comfy, loader, update, seed=42, core=False):
-    v, a = comfy.run_latents(_prompt(loader, update, seed, core), ("12", "13"))
+def _sample(comfy, loader, update, seed=42, core=False, table=None):
+    v, a = comfy.run_latents(_prompt(loader, update, seed, core, table), ("12", "13"))
     assert torch.isfinite(v).all() and torch.isfinite(a).all() and v.shape[1] == 24 and a.shape[1] == 32
     return v, a
 
@@ -127,12 +151,21 @@ def test_bf16_dmd_samples_bit_identical_to_core_unetloader(comfy, release, updat
 def test_table_driven_adaln_equals_weight_driven(comfy, release, caplog):
     from h3_turbo import state
 
+    from h3_turbo.runtime.adaln import LOOKUPS
+
     w = _sample(comfy, _dmd(INDEX, "none"), "renoise")
     state.LOGGED.clear()
+    LOOKUPS.clear()
     with caplog.at_level(logging.INFO, logger="h3_turbo"):
         t = _sample(comfy, _dmd(INDEX, "tiny_dmd_fp32.safetensors"), "renoise")
         auto = _sample(comfy, _dmd(FOLDER, "auto", "reference"), "renoise")     # the release's adaln/ + BF16
+    # the same table as object patches on core's UNETLoader model (core naming)
+    core = {"class_type": "UNETLoader", "inputs": {"unet_name": f"{SUB}/TurboH3-tiny_core_bf16.safetensors",
+                                                   "weight_dtype": "default"}}
+    patched = _sample(comfy, core, "renoise", core=True, table=release["adaln"])
     assert _eq(t[0], w[0]) and _eq(t[1], w[1]) and _eq(auto[0], w[0]) and _eq(auto[1], w[1])
+    assert _eq(patched[0], w[0]) and _eq(patched[1], w[1])
+    assert LOOKUPS.counts == {"group": 3 * 4, "composed": 0}     # 3 samplings x 4 forwards, each its exact group
     assert not [r for r in caplog.records if "not stored as one batch" in r.getMessage()]
 
 

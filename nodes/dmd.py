@@ -103,7 +103,7 @@ class H3TurboDMDLoader(io.ComfyNode):
                                tooltip="auto: the release's adaln/ table (or the weights' own AdaLN); none: compute "
                                        "from the weights; or a table file."),
                 io.Combo.Input("compute", options=list(COMPUTE_CHOICES), default="auto", optional=True,
-                               tooltip="auto: int8 on CUDA GPUs (sm_80+) when W8A8 weights are there, else reference."),
+                               tooltip="auto: int8 on CUDA GPUs (sm_80+ with Triton), else reference (BF16 weights when the folder has them)."),
             ],
             outputs=[io.Model.Output()],
         )

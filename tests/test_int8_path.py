@@ -98,6 +98,10 @@ def test_auto_on_cuda_picks_int8_from_sm80_and_says_why(monkeypatch):
         registry.resolve("int8", torch.device("cuda", 0), "int8_block128")
     monkeypatch.setattr(base, "capability", lambda d: (9, 0))
     assert registry.resolve("auto", torch.device("cuda", 0), "int8_block128")[0] == "int8"
+    monkeypatch.setattr(base, "has_triton", lambda: False)
+    state.LOGGED.clear()
+    path, why = registry.resolve("auto", torch.device("cuda", 0), "int8_block128")
+    assert path == "reference" and "needs Triton" in why
 
 
 def test_fuse_rows_is_exact_for_split_qkv():

@@ -68,7 +68,8 @@ class Int8Path(ComputePath):
             return False, f"int8 tensor cores need sm_80 or newer (this GPU is sm_{cc[0]}{cc[1]})"
         if base.has_triton():
             return True, "fused Triton W8A8 kernel (int8 tensor cores, per-K-slice block scales)"
-        return True, "torch._int_mm per K slice (Triton missing: slow on the GPU)"
+        return False, ("the fused W8A8 kernel needs Triton (torch._int_mm per 128-wide K slice would be slower than "
+                       "compute=reference on a GPU)")
 
     def backend_for(self, x2d: torch.Tensor) -> str:
         b = self.settings.backend

@@ -246,6 +246,9 @@ def load_dmd_model(path: str, adaln: str = ADALN_AUTO, compute: str = "auto", di
         if f.level == "warning":
             log.warning("%s: %s", weights, f)
     det.raise_if_errors()
+    if compute == "auto" and cpath == "int8" and not det.int8_layers:
+        cpath, reason = "reference", "auto keeps BF16 weights exact (compute=int8 quantizes them to W8A8 on load)"
+        log_once(("dmd-auto-bf16", weights), "Load TurboH3 DMD Model: %s: compute=auto -> reference (%s)", weights, reason)
     check_manifest_sizes(rel, det.source.files)
     table = _table(rel, adaln, det)
     cfg = det.config

@@ -83,6 +83,8 @@ class Int8Path(ComputePath):
         return x2d.device.type in ("cpu", "cuda") and x2d.dtype in (torch.bfloat16, torch.float16, torch.float32)
 
     def prepare(self, weight: ib.Int8Weight) -> PreparedInt8:
+        if not isinstance(weight, ib.Int8Weight):
+            raise ValueError(f"int8 path: prepare takes an Int8Weight (W8A8 block weights), got {type(weight).__name__}")
         weight.validate()
         return PreparedInt8(weight)
 

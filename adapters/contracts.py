@@ -36,8 +36,10 @@ class TurboContract:
     shift_video / shift_audio: the uniform-shifted-grid shifts per modality.
     alpha_over_rank: the expected effective LoRA scale (None for non-LoRA artifacts or not known).
     name: the artifact (file name or alias); sha256: content hash when known; source: where the
-    contract came from ("known-artifact", "metadata", "user"). An adapter whose contract cannot be determined
-    carries none (None), never a placeholder.
+    contract came from ("known-artifact", "metadata", "fixture", "user"). An adapter whose contract cannot be
+    determined carries none (None), never a placeholder.
+    update: the sampler's update rule for ``update=auto`` ("euler": deterministic training-Euler; "renoise":
+    x0 then fresh noise at the next sigma, docs/turboh3.md#update-rule).
     """
 
     variant: str
@@ -49,6 +51,7 @@ class TurboContract:
     sha256: str | None = None
     source: str = "known-artifact"
     extra: dict = field(default_factory=dict, compare=False)
+    update: str = "euler"
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -91,7 +94,9 @@ ALIASES = {"4step": "minimax_h3_fl2v_turbo_4step_v1.1_768p_comfyui_bf16",
 VARIANTS = ("auto", "4step", "8step", "none")
 
 # TurboH3-FL2VA-I2VA DMD: 5 sigma points = 4 updates, shifts 12/3 (docs/h3-facts.md#turboh3-dmd-schedule).
-TURBOH3_DMD = TurboContract("turboh3-dmd", 4, 12.0, 3.0, None, "TurboH3-FL2VA-I2VA", None, "known-artifact")
+# update rule: re-noise, inferred from TurboDiffusion's public few-step samplers (docs/turboh3.md#update-rule)
+TURBOH3_DMD = TurboContract("turboh3-dmd", 4, 12.0, 3.0, None, "TurboH3-FL2VA-I2VA", None, "known-artifact",
+                            update="renoise")
 
 
 def by_sha256(sha: str) -> KnownArtifact | None:

@@ -164,6 +164,9 @@ def _looks_like(keys: set[str]) -> str:
         r = re.compile(pat)
         return any(r.search(k) for k in keys)
 
+    if has("proj_in.weight", "diffusion_model.proj_in.weight") and anyp(r"(^|\.)audio_proj_in\.weight$"):
+        return ("MiniMax H3 in Diffusers naming (e.g. the TurboH3 DMD release): load it with Load TurboH3 DMD Model "
+                "(H3TurboDMDLoader)")
     if anyp(r"lora_(A|B|up|down)\b|\.lora_") :
         return "a LoRA adapter, not a diffusion model (put it in models/loras)"
     if has("patch_embedding.weight") and anyp(r"^blocks\.\d+\.(self_attn|cross_attn)\."):

@@ -10,7 +10,7 @@ To add a format: write one module in ``formats/schemes/`` and add its ``SCHEME``
 from __future__ import annotations
 
 from .safetensors_io import CheckpointError, Header
-from .schemes import comfy_metadata, comfy_native, lightx2v, modelopt, plain
+from .schemes import comfy_metadata, comfy_native, diffusers_bf16, lightx2v, modelopt, plain, w8a8_int8
 from .schemes.base import Evidence, HeaderView, Scheme
 from .schemes.plain import UNCLAIMED
 
@@ -26,10 +26,27 @@ SCHEMES: tuple[Scheme, ...] = (
     plain.MIXED,
 )
 
+#: the TurboH3 DMD release formats (Diffusers naming, shards; W8A8 Int8Linear), read by ``formats/dmd.py`` for the
+#: DMD loader; detection order as above (exactly one may claim a header)
+RELEASE_SCHEMES = (
+    diffusers_bf16.SCHEME,
+    w8a8_int8.SCHEME,
+)
+
+
+def identify_release(view: HeaderView):
+    """(scheme, evidence) of the one release scheme claiming ``view``, ``(None, None)`` when none does;
+    CheckpointError naming both when two do."""
+    found = [(s, ev) for s in RELEASE_SCHEMES if (ev := s.claims(view))]
+    if len(found) > 1:
+        raise CheckpointError(view.path, "several release formats claim the file: "
+                                         + "; ".join(f"{s.name}: {ev}" for s, ev in found))
+    return found[0] if found else (None, None)
+
 
 def get(name: str) -> Scheme:
     """The scheme called ``name`` (``unknown`` included); ValueError naming the known ones otherwise."""
-    for s in SCHEMES + (UNCLAIMED,):
+    for s in SCHEMES + (UNCLAIMED,) + RELEASE_SCHEMES:
         if s.name == name:
             return s
     raise ValueError(f"unknown checkpoint format {name!r}; known: {', '.join(s.name for s in SCHEMES)}")

@@ -50,7 +50,11 @@ def prepare(packed: PackedNVFP4, path: str):
     """Load-time work for ``path``; returns the object :func:`linear` takes. Raises ValueError on malformed
     storage (naming the field) or, for the kernel paths, NaN block scales."""
     packed.validate()
-    return registry.get(path).prepare(packed)
+    p = registry.get(path)
+    if p.weight_format != "nvfp4" and path != "reference":
+        raise registry.NoCapablePathError(f"unknown path {path!r} for NVFP4 weights (it computes from "
+                                          f"{p.weight_format} weights; NVFP4 paths: {', '.join(registry.paths_for())})")
+    return p.prepare(packed)
 
 
 def _linear2d(x2d: torch.Tensor, prepared, path: str) -> torch.Tensor:

@@ -17,19 +17,26 @@ import torch
 
 from ..errors import NoCapablePathError
 from ..logs import log_once
-from .paths import base, blackwell_fp4, exact, fp8, reference
+from .paths import base, blackwell_fp4, exact, fp8, int8, reference
 from .paths.base import ComputePath
 
 AUTO = "auto"
 #: auto's priority order (the first path the device supports wins)
-PATHS: dict[str, ComputePath] = {p.name: p for p in (blackwell_fp4.PATH, fp8.PATH, exact.PATH, reference.PATH)}
+PATHS: dict[str, ComputePath] = {p.name: p for p in (blackwell_fp4.PATH, fp8.PATH, exact.PATH, int8.PATH,
+                                                     reference.PATH)}
 #: the order the loader's combo lists them in
-DISPLAY_ORDER = ("exact", "fp8", "reference", "blackwell_fp4")
+DISPLAY_ORDER = ("exact", "fp8", "int8", "reference", "blackwell_fp4")
 
 
-def choices() -> tuple[str, ...]:
-    """The loader's ``compute`` combo: ``auto`` then every registered path."""
-    return (AUTO,) + tuple(n for n in DISPLAY_ORDER if n in PATHS) + tuple(n for n in PATHS if n not in DISPLAY_ORDER)
+def paths_for(weight_format: str = "nvfp4") -> dict[str, ComputePath]:
+    """The registered paths that compute from ``weight_format`` weights (``reference`` serves every format)."""
+    return {n: p for n, p in PATHS.items() if p.weight_format == weight_format or n == "reference"}
+
+
+def choices(weight_format: str = "nvfp4") -> tuple[str, ...]:
+    """A loader's ``compute`` combo: ``auto`` then every registered path for its weight format."""
+    own = paths_for(weight_format)
+    return (AUTO,) + tuple(n for n in DISPLAY_ORDER if n in own) + tuple(n for n in own if n not in DISPLAY_ORDER)
 
 
 def get(name: str) -> ComputePath:
@@ -45,8 +52,11 @@ def _sm(device) -> str:
     return f"sm_{cc[0]}{cc[1]}"
 
 
-def resolve(requested: str, device: torch.device) -> tuple[str, str]:
-    """Map a requested compute mode to the path this device runs: ``(path, reason)``."""
+def resolve(requested: str, device: torch.device, weight_format: str = "nvfp4") -> tuple[str, str]:
+    """Map a requested compute mode to the path this device runs: ``(path, reason)``. Paths of another
+    ``weight_format`` than the loader's are unknown names (NoCapablePathError)."""
+    if weight_format != "nvfp4":
+        return _resolve_other(requested, torch.device(device), weight_format)
     if requested not in choices():
         raise NoCapablePathError(f"compute={requested!r}; expected one of {', '.join(choices())}")
     device = torch.device(device)
@@ -65,7 +75,7 @@ def resolve(requested: str, device: torch.device) -> tuple[str, str]:
             raise NoCapablePathError(f"compute {requested!r} cannot run on {device} ({_sm(device)}): {why}")
         return requested, why
     why_not = []
-    for name, path in PATHS.items():
+    for name, path in paths_for().items():
         if name == "reference":
             continue
         ok, why = path.supports(device)
@@ -76,4 +86,35 @@ def resolve(requested: str, device: torch.device) -> tuple[str, str]:
     reason = (f"no fast path on {_sm(device)} (Triton {'present' if base.has_triton() else 'missing'}; "
               + "; ".join(why_not) + ")")
     log_once(("auto", str(device)), "H3 Turbo compute on %s: reference (%s)", device, reason)
+    return "reference", reason
+
+
+def _resolve_other(requested: str, device: torch.device, weight_format: str) -> tuple[str, str]:
+    """``resolve`` for a non-NVFP4 weight format: an explicit path runs where its ``supports`` says so (CPU
+    included); ``auto`` picks the first capable one on CUDA and ``reference`` on other devices."""
+    names = choices(weight_format)
+    if requested not in names:
+        raise NoCapablePathError(f"compute={requested!r}; expected one of {', '.join(names)}")
+    if requested == "reference":
+        return "reference", "requested"
+    if requested != AUTO:
+        ok, why = PATHS[requested].supports(device)
+        if not ok:
+            raise NoCapablePathError(f"compute {requested!r} cannot run on {device}: {why}")
+        return requested, why
+    why_not = []
+    if device.type == "cuda":
+        for name, path in paths_for(weight_format).items():
+            if name == "reference":
+                continue
+            ok, why = path.supports(device)
+            if ok:
+                log_once(("auto", weight_format, str(device)), "H3 Turbo compute (%s weights) on %s: %s (%s)",
+                         weight_format, device, name, why)
+                return name, why
+            why_not.append(f"{name}: {why}")
+    reason = (f"device {device} is not CUDA: dequantize + F.linear" if device.type != "cuda"
+              else "no capable path (" + "; ".join(why_not) + ")")
+    log_once(("auto", weight_format, str(device)), "H3 Turbo compute (%s weights) on %s: reference (%s)",
+             weight_format, device, reason)
     return "reference", reason

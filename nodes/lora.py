@@ -101,6 +101,13 @@ class H3TurboLoRA(io.ComfyNode):
             log.info("Apply H3 Turbo LoRA: turbo=%s strength=%g switches off the Turbo adapter %r applied "
                      "upstream", turbo, strength, removed)
             return io.NodeOutput(clone)
+        from ..runtime.dmd import is_dmd
+
+        if is_dmd(model):
+            raise turbo_lora.TurboLoRAError(
+                f"Apply H3 Turbo LoRA: the MODEL is the TurboH3 DMD model (Load TurboH3 DMD Model), a four-update "
+                f"distilled model that takes no Turbo LoRA: the {turbo!r} adapter is for the base FL2VA model. Remove "
+                f"this node (or set turbo=none) and sample the DMD model with H3 Turbo Sigmas + H3 Turbo Sampler.")
         _, aliases, files = turbo_options()
         name = aliases.get(turbo, turbo)
         if name not in files:

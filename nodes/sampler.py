@@ -110,16 +110,20 @@ class H3TurboSampler(io.ComfyNode):
                 io.Combo.Input("state_dtype", options=list(training_euler.STATE_DTYPES), default="fp32",
                                optional=True,
                                tooltip="dtype of the video/audio states between steps (fp32 = LightX2V)."),
+                io.Combo.Input("update", options=list(training_euler.UPDATES), default="auto", optional=True,
+                               tooltip="auto: the Turbo contract's rule (renoise for the TurboH3 DMD model, inferred "
+                                       "from TurboDiffusion's public samplers; euler otherwise). renoise: x0, then "
+                                       "fresh seeded noise at the next sigma. euler: deterministic training-Euler."),
             ],
             outputs=[io.Sampler.Output()],
         )
 
     @classmethod
-    def execute(cls, state_dtype="fp32") -> io.NodeOutput:
+    def execute(cls, state_dtype="fp32", update="auto") -> io.NodeOutput:
         import comfy.samplers
 
         return io.NodeOutput(comfy.samplers.KSAMPLER(training_euler.sample_h3_turbo,
-                                                     extra_options={"state_dtype": state_dtype}))
+                                                     extra_options={"state_dtype": state_dtype, "update": update}))
 
 
 NODES = [H3TurboSigmas, H3TurboSampler]

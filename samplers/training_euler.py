@@ -49,6 +49,8 @@ CAPTURE_KEY = "h3_turbo_velocity_capture"
 OUR_WRAPPER_PREFIXES = ("h3_turbo", "h3turbo")
 GRID_TOL = 1e-6
 STATE_DTYPES = ("fp32", "model")
+#: ``update`` input: ``auto`` = the Turbo contract's rule (renoise for the TurboH3 DMD model, else euler)
+UPDATES = ("auto", "renoise", "euler")
 
 
 
@@ -89,6 +91,48 @@ def euler_av_loop(velocity: Callable[[int, torch.Tensor, torch.Tensor], tuple[to
         x_v = euler_update(x_v, sv[i], sv[i + 1], -v_v)
         x_a = euler_update(x_a, sa[i], sa[i + 1], -v_a)
     return x_v, x_a
+
+
+def renoise_update(x: torch.Tensor, sigma: float, sigma_next: float, v: torch.Tensor, noise) -> torch.Tensor:
+    """One re-noise step: ``x0 = x - sigma * v`` (v in ComfyUI's sign, noise - x0), then
+    ``x_next = (1 - sigma_next) * x0 + sigma_next * noise`` (``noise``: fresh N(0, 1) like x, or None when
+    sigma_next == 0, where the step returns x0). TurboDiffusion's few-step samplers (docs/turboh3.md#update-rule)."""
+    x0 = x - float(sigma) * v.to(x.dtype)
+    if float(sigma_next) == 0.0:
+        return x0
+    return (1.0 - float(sigma_next)) * x0 + float(sigma_next) * noise.to(x.dtype)
+
+
+def renoise_av_loop(velocity, x_v: torch.Tensor, x_a: torch.Tensor, sigmas_v, sigmas_a, generator: torch.Generator,
+                    on_step=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The two-stream re-noise loop (same contract as :func:`euler_av_loop`): each stream predicts its x0 on its own
+    grid and is re-noised to its next sigma with fresh noise drawn from ``generator`` (a CPU generator: video then
+    audio, fp32, each step except the last), so a seed reproduces the run on any device."""
+    sv = [float(s) for s in sigmas_v]
+    sa = [float(s) for s in sigmas_a]
+    if len(sv) != len(sa):
+        raise ValueError(f"renoise_av_loop: video grid has {len(sv)} points, audio grid {len(sa)}")
+    for i in range(len(sv) - 1):
+        v_v, v_a = velocity(i, x_v, x_a)
+        if on_step is not None:
+            on_step(i, x_v, x_a, v_v, v_a)
+        n_v = n_a = None
+        if sv[i + 1] != 0.0 or sa[i + 1] != 0.0:
+            n_v = torch.randn(x_v.shape, generator=generator, dtype=torch.float32).to(x_v.device)
+            n_a = torch.randn(x_a.shape, generator=generator, dtype=torch.float32).to(x_a.device)
+        x_v = renoise_update(x_v, sv[i], sv[i + 1], v_v, n_v)
+        x_a = renoise_update(x_a, sa[i], sa[i + 1], v_a, n_a)
+    return x_v, x_a
+
+
+def resolve_update(update: str, contract: contracts.TurboContract | None) -> str:
+    """``renoise`` / ``euler`` for the sampler's ``update`` input: ``auto`` = the contract's rule (``euler`` without
+    a contract). ValueError for an unknown value."""
+    if update not in UPDATES:
+        raise ValueError(f"{SAMPLER_NAME}: update must be one of {UPDATES}, got {update!r}")
+    if update != "auto":
+        return update
+    return getattr(contract, "update", "euler") if contract is not None else "euler"
 
 
 def carry_factor(sigma_v: float, sigma_a: float, audio_scale: float) -> float:
@@ -333,13 +377,15 @@ def _audio_shift_for_call(sv: float, sa: float, shift_v: float, shift_a_default:
 
 
 @torch.no_grad()
-def sample_h3_turbo(model, x, sigmas, extra_args=None, callback=None, disable=None, state_dtype="fp32"):
+def sample_h3_turbo(model, x, sigmas, extra_args=None, callback=None, disable=None, state_dtype="fp32",
+                    update="auto"):
     """KSAMPLER function of H3 Turbo Sampler (training-Euler AV). Signature as k-diffusion samplers.
 
     model: ComfyUI's KSamplerX0Inpaint around a CFGGuider of an H3 model. x: the carried packed latent
     [1, 1, N_video + N_audio] at sigmas[0] (already noise-scaled). sigmas: 1-D video sigmas (N+1).
-    extra_args: {"model_options", "seed", "denoise_mask"}. state_dtype: "fp32" or "model".
-    Returns the carried pack at sigmas[-1].
+    extra_args: {"model_options", "seed", "denoise_mask"}. state_dtype: "fp32" or "model". update: "auto" (the
+    contract's rule), "euler" (deterministic) or "renoise" (fresh noise from a CPU generator seeded with
+    ``extra_args["seed"]``). Returns the carried pack at sigmas[-1].
 
     Errors (:class:`TurboContractError` / ValueError): not an H3 AV latent; a denoise mask; the Turbo
     contract in ``model_options["h3_turbo"]`` violated (steps, grid, CFG, denoiser cache / foreign model
@@ -368,6 +414,10 @@ def sample_h3_turbo(model, x, sigmas, extra_args=None, callback=None, disable=No
                          f"remove the mask or use core's samplers.")
     if state_dtype not in STATE_DTYPES:
         raise ValueError(f"{SAMPLER_NAME}: state_dtype must be one of {STATE_DTYPES}, got {state_dtype!r}")
+    rule = resolve_update(update, contract)
+    if update == "auto" and contract is not None:
+        log_once(("sampler", "update", contract.variant, rule), "%s: update=auto -> %s (the %s contract's rule)",
+                 SAMPLER_NAME, rule, contract.variant)
 
     ms = patcher.get_model_object("model_sampling") if patcher is not None else base.model_sampling
     patched = patcher is not None and "model_sampling" in getattr(patcher, "object_patches", {})
@@ -448,7 +498,15 @@ def sample_h3_turbo(model, x, sigmas, extra_args=None, callback=None, disable=No
         return v_v, v_a
 
     try:
-        x_v, x_a = euler_av_loop(velocity, x_v, x_a, sv, sa)
+        if rule == "renoise":
+            seed = extra_args.get("seed")
+            gen = torch.Generator("cpu").manual_seed(int(seed) if seed is not None else 0)
+            if seed is None:
+                log_once(("sampler", "renoise-noseed"), "%s: update=renoise without a sampler seed: the fresh noise "
+                         "uses seed 0", SAMPLER_NAME)
+            x_v, x_a = renoise_av_loop(velocity, x_v, x_a, sv, sa, gen)
+        else:
+            x_v, x_a = euler_av_loop(velocity, x_v, x_a, sv, sa)
     finally:
         pbar.close()
     out, _ = comfy.utils.pack_latents([x_v.to(torch.float32),

@@ -16,7 +16,7 @@ from h3_turbo.kernels.paths import base
 
 from test_kernels import make_packed, rel  # noqa: E402  (tests/ is on sys.path)
 
-NAMES = list(registry.PATHS)
+NAMES = list(registry.paths_for("nvfp4"))   # the NVFP4 loader's paths (int8: tests/test_int8_path.py)
 
 
 def test_registry_lists_every_path_once_with_reference_last():
@@ -24,8 +24,9 @@ def test_registry_lists_every_path_once_with_reference_last():
     assert registry.choices() == ("auto", "exact", "fp8", "reference", "blackwell_fp4")
     for name, p in registry.PATHS.items():
         assert p.name == name and registry.get(name) is p
-    with pytest.raises(NoCapablePathError, match="unknown path 'int8'"):
-        registry.get("int8")
+    assert list(registry.PATHS) == ["blackwell_fp4", "fp8", "exact", "int8", "reference"]
+    with pytest.raises(NoCapablePathError, match="unknown path 'int4'"):
+        registry.get("int4")
 
 
 @pytest.mark.parametrize("name", NAMES)

@@ -35,6 +35,9 @@ def build_parser() -> argparse.ArgumentParser:
     from .inspect_ckpt import add_parsers
 
     add_parsers(sub)
+    from .release import add_parsers as add_release_parsers
+
+    add_release_parsers(sub)
     return p
 
 

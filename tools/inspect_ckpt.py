@@ -15,7 +15,12 @@ def _gib(n: int) -> str:
 
 
 def inspect_file(path: str, scan_scales: bool = True) -> tuple[dict, list[str]]:
-    """Inspect ``path``: returns (report dict, findings as text). Container errors become one finding."""
+    """Inspect ``path``: returns (report dict, findings as text). Container errors become one finding. TurboH3
+    DMD checkpoints (release folders, shard indexes, Diffusers / Int8Linear files) go to ``release.inspect_dmd``."""
+    from .release import inspect_dmd, is_dmd_path
+
+    if is_dmd_path(path):
+        return inspect_dmd(path)
     try:
         hdr = read_header(path)
     except CheckpointError as e:
@@ -59,6 +64,10 @@ def cmd_inspect(args) -> int:
     rep, findings = inspect_file(args.file, scan_scales=not args.no_scan)
     if args.json:
         print(json.dumps(dict(rep, findings=findings), indent=2))
+    elif rep.get("kind") == "dmd":
+        from .release import print_dmd_report
+
+        print_dmd_report(rep, findings)
     else:
         print(f"file: {rep['path']}")
         if rep.get("file_bytes") is not None:

@@ -454,7 +454,7 @@ def _turbo_workflow(name: str, variant: str, official: str, nfe: int, shifts: st
                 f"H3 Turbo LoRA |\n"))
     nodes = _real_front(variant) + _real_back(
         4, Node(10, "H3TurboSigmas", {"model": (4, 0), "steps": 0}, (820, 140)),
-        Node(11, "H3TurboSampler", {"state_dtype": "fp32"}, (820, 350)), seed, f"h3turbo/turbo_{variant}")
+        Node(11, "H3TurboSampler", {"state_dtype": "fp32", "update": "auto"}, (820, 350)), seed, f"h3turbo/turbo_{variant}")
     nodes.append(Node(30, "MarkdownNote", {"text": note}, (-560, 0), title="Note: files", size=(520, 560),
                       color="#432"))
     _stack(nodes, [(0, 0, [2, 5, 6, 7]), (380, 0, [3, 4]), (0, ("below", [2, 3, 4, 5, 6, 7]), [1]),
@@ -500,7 +500,7 @@ def _tiny_workflow() -> Workflow:
         Node(3, "H3TurboTestConditioning", {"model": (2, 0), "seed": 0, "tokens": 16}, (380, 170)),
         Node(4, "BasicGuider", {"model": (2, 0), "conditioning": (3, 0)}, (800, 0)),
         Node(5, "H3TurboSigmas", {"model": (2, 0), "steps": 0}, (800, 130)),
-        Node(6, "H3TurboSampler", {"state_dtype": "fp32"}, (800, 260)),
+        Node(6, "H3TurboSampler", {"state_dtype": "fp32", "update": "auto"}, (800, 260)),
         Node(7, "RandomNoise", {"noise_seed": 42}, (800, 370)),
         Node(8, "EmptyMiniMaxH3LatentAV", {"width": 128, "height": 96, "length": 22}, (800, 500)),
         Node(9, "SamplerCustomAdvanced", {"noise": (7, 0), "guider": (4, 0), "sampler": (6, 0), "sigmas": (5, 0),

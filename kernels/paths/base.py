@@ -178,6 +178,9 @@ class ComputePath:
     error_bound: ClassVar[float] = 1e-2
     #: a GPU kernel path (needs bf16/fp16 CUDA inputs; others run the eager reference, logged once)
     kernel: ClassVar[bool] = True
+    #: the weight storage the path computes from: "nvfp4" (ComfyUI-native NVFP4, the NVFP4 loader) or another
+    #: loader's format (``int8_block128``: the DMD loader's W8A8); ``reference`` serves every format
+    weight_format: ClassVar[str] = "nvfp4"
     settings: Any = None
 
     def supports(self, device: torch.device) -> tuple[bool, str]:

@@ -1,0 +1,323 @@
+"""Load a TurboH3 DMD checkpoint (BF16 Diffusers shards or the W8A8 export) into core's H3 MODEL.
+
+Order of work (a failed load builds nothing and touches no loaded model):
+1. resolve ``model_name`` (a file, a shard index or a release folder: :func:`h3_turbo.formats.dmd.find_release`),
+   the compute path (``kernels.registry.resolve`` for ``int8_block128`` weights) and which weights to load
+   (a folder with both: W8A8 for ``int8``, BF16 for ``reference``);
+2. detect and validate the weights from their headers (:func:`~h3_turbo.formats.dmd.detect_dmd`), check the sizes
+   ``manifest.json`` records, read the AdaLN table when one is used (:mod:`.adaln`) and check that it fits;
+3. stream the weights into core's names (:func:`~h3_turbo.formats.dmd.iter_core`; BF16 projections quantized to
+   W8A8 on load for ``compute=int8``), leaving out the AdaLN weights a table replaces; tensors of 1 MiB and more
+   are placeholders while core builds the model and are then streamed into it one at a time (peak memory: the
+   model plus one tensor);
+4. build core's H3 with core's loader (``comfy.sd.load_diffusion_model_state_dict``) and the operations core itself
+   would pick for this state dict (``comfy.ops.pick_operations``), extended by :func:`make_dmd_operations` with
+   W8A8 layers; then install the table (:func:`.adaln.install`), set the compute path, attach the DMD contract
+   (``adapters/contracts.py``: 4 updates, 12/3, no CFG, re-noise).
+
+With BF16 weights, ``compute=reference`` and ``adaln=none`` the MODEL is the one core's ``UNETLoader`` builds from
+the same weights in core naming (tests/test_dmd_comfy.py checks the samples bit for bit).
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+
+from .. import state
+from ..adapters import contracts
+from ..errors import CheckpointError
+from ..formats import dmd as fdmd
+from ..kernels import int8_block as ib
+from ..kernels import registry
+from ..kernels.paths import int8 as int8_path
+from ..logs import log, log_once
+from . import adaln as adaln_mod
+
+ADALN_AUTO, ADALN_NONE = "auto", "none"
+#: the TurboH3 export quantizes the 200 main-block projections (the card): the same for quantize-on-load
+QUANTIZED_PROJECTIONS = ("attn.qkv_proj", "attn.out_proj", "mlp.fc1", "mlp.fc2")
+
+
+def make_dmd_operations(base, skip_prefixes: tuple[str, ...] = ()):
+    """``base`` (the operations core picks for the model, ``comfy.ops.pick_operations``) with a Linear that also
+    loads W8A8 layers (``P.weight`` int8 + ``P.int8_scale``: kept as ``int8_weight`` / ``int8_scale`` parameters,
+    run on the layer's compute path ``_h3_path``: ``int8`` or the dequantizing ``reference``), and leaves the layers
+    under ``skip_prefixes`` (the AdaLN an AdaLN table replaces) without weights instead of reporting them missing.
+    Every other layer is ``base``'s, unchanged."""
+    import comfy.ops
+
+    base_linear = base.Linear
+
+    class H3TurboDMDOps(base):
+        class Linear(base_linear):
+            _h3_path = None
+
+            def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
+                                      unexpected_keys, error_msgs):
+                sk = prefix + fdmd.INT8_SCALE
+                if sk in state_dict:
+                    q, s = state_dict.pop(prefix + "weight"), state_dict.pop(sk)
+                    self.weight = None
+                    self.int8_weight = torch.nn.Parameter(q, requires_grad=False)
+                    self.int8_scale = torch.nn.Parameter(s.float(), requires_grad=False)
+                    super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys,
+                                                  unexpected_keys, error_msgs)
+                    for k in (prefix + "int8_weight", prefix + "int8_scale"):
+                        if k in missing_keys:
+                            missing_keys.remove(k)
+                    return
+                if skip_prefixes and prefix.startswith(skip_prefixes) and prefix + "weight" not in state_dict:
+                    self.weight = None
+                    self.bias = None
+                    return
+                super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys,
+                                              unexpected_keys, error_msgs)
+
+            def forward(self, input, *args, **kwargs):
+                if getattr(self, "int8_weight", None) is None:
+                    return super().forward(input, *args, **kwargs)
+                comfy.ops.run_every_op()
+                return int8_forward(self, input)
+
+    H3TurboDMDOps.__name__ = "H3TurboDMDOps"
+    return H3TurboDMDOps
+
+
+def int8_forward(m, x: torch.Tensor) -> torch.Tensor:
+    """One W8A8 layer: ``int8`` (the W8A8 GEMM) or ``reference`` (dequantize to x's dtype + F.linear), + bias.
+    Weight patches (LoRA, hooks) cannot apply to int8 weights: RuntimeError naming the layer."""
+    if len(m.weight_function) or len(m.bias_function):
+        raise RuntimeError("H3 Turbo DMD: a weight patch (LoRA / hook) targets a W8A8 layer; int8 weights cannot be "
+                           "patched (the TurboH3 DMD model takes no LoRA)")
+    q, s = m.int8_weight, m.int8_scale
+    if q.device != x.device:
+        q, s = q.to(x.device), s.to(x.device)
+    w = ib.Int8Weight(q, s, ib.Int8Weight.row_group_of(q.shape[0], s.shape[0]))
+    pr = int8_path.PreparedInt8(w)
+    x2d = x.reshape(-1, x.shape[-1])
+    if m._h3_path == "int8":
+        y = int8_path.PATH.linear(x2d, pr)
+    else:
+        y = int8_path.reference_linear(x2d, pr)
+    if m.bias is not None:
+        y = y + m.bias.to(device=y.device, dtype=y.dtype)
+    return y.reshape(*x.shape[:-1], w.out_features)
+
+
+def _quantize_stream(items, quantize: bool, device):
+    """Pass ``iter_core`` through, turning the DiT blocks' float projection weights into W8A8 (the recipe of
+    ``kernels/int8_block.py``) when ``quantize``."""
+    for k, t in items:
+        stem = k[: -len(".weight")] if k.endswith(".weight") else None
+        if quantize and stem and k.startswith("blocks.") and stem.split(".", 2)[2] in QUANTIZED_PROJECTIONS \
+                and t.dtype in (torch.bfloat16, torch.float16, torch.float32):
+            w = ib.quantize_weight(t.to(device))
+            yield k, w.qdata.cpu()
+            yield f"{stem}.{fdmd.INT8_SCALE}", w.scale.cpu()
+        else:
+            yield k, t
+
+
+#: tensors from this size on are placeholders while core builds the model, then streamed into it
+PLACEHOLDER_BYTES = 1 << 20
+
+
+def _st_dtype(st: str) -> torch.dtype:
+    from ..formats.safetensors_io import torch_dtype
+
+    return torch_dtype(st)
+
+
+def _nbytes(st: str, shape) -> int:
+    from ..formats.safetensors_io import DTYPE_BYTES
+
+    n = DTYPE_BYTES[st]
+    for d in shape:
+        n *= d
+    return n
+
+
+def _stream_plan(plan: dict, quantize: bool) -> dict:
+    """:func:`~h3_turbo.formats.dmd.core_plan` as :func:`_quantize_stream` changes it (block projections int8 +
+    ``int8_scale``)."""
+    if not quantize:
+        return plan
+    out = {}
+    for k, (dt, shp) in plan.items():
+        stem = k[: -len(".weight")] if k.endswith(".weight") else None
+        if stem and k.startswith("blocks.") and stem.split(".", 2)[2] in QUANTIZED_PROJECTIONS:
+            out[k] = ("I8", shp)
+            out[f"{stem}.{fdmd.INT8_SCALE}"] = ("F32", (ib.cdiv(shp[0], ib.BLOCK), ib.cdiv(shp[1], ib.BLOCK)))
+        else:
+            out[k] = (dt, shp)
+    return out
+
+
+def _layer_key(key: str) -> str:
+    """The key :func:`~h3_turbo.formats.dmd.iter_core` reads a W8A8 layer by (its ``weight``)."""
+    return key[: -len(fdmd.INT8_SCALE)] + "weight" if key.endswith(fdmd.INT8_SCALE) else key
+
+
+def _fill(dm, key: str, t: torch.Tensor) -> None:
+    """Copy ``t`` into the built model's tensor ``key`` (as ``load_state_dict`` would: ``copy_``, converting dtype);
+    W8A8 layers: ``weight`` -> ``int8_weight``, ``int8_scale``."""
+    path, _, name = key.rpartition(".")
+    mod = dm.get_submodule(path)
+    if name == "weight" and getattr(mod, "int8_weight", None) is not None:
+        name = "int8_weight"
+    dst = getattr(mod, name)
+    if tuple(dst.shape) != tuple(t.shape):
+        raise CheckpointError(key, f"streamed tensor {list(t.shape)} does not fit the built model's {list(dst.shape)}")
+    with torch.no_grad():
+        dst.data.copy_(t)
+
+
+def check_manifest_sizes(rel: fdmd.Release, files: list[str]) -> None:
+    """Sizes recorded in the release's manifest.json for the files about to be loaded (cheap; SHA-256 is
+    ``verify-release``'s job): CheckpointError naming the file on a mismatch."""
+    if rel.manifest is None or rel.root is None:
+        return
+    from ..tools.release import manifest_entries
+
+    try:
+        entries = manifest_entries(rel.manifest)
+    except CheckpointError as e:
+        log.warning("%s", e)
+        return
+    for f in files:
+        relp = os.path.relpath(f, rel.root)
+        e = entries.get(relp)
+        if e is not None and e.size is not None and os.path.getsize(f) != e.size:
+            raise CheckpointError(f, f"file is {os.path.getsize(f)} bytes, manifest.json records {e.size}",
+                                  expected="the released file (re-download; `python -m h3_turbo.tools verify-release "
+                                           f"{rel.root}` checks SHA-256 too)")
+
+
+def _pick_weights(rel: fdmd.Release, cpath: str) -> str:
+    if rel.bf16 and rel.w8a8 and rel.root:
+        pick = rel.w8a8 if cpath == "int8" else rel.bf16
+        log_once(("dmd-weights", rel.root, cpath), "H3 Turbo DMD loader: %s has BF16 and W8A8 weights; compute=%s "
+                 "loads %s", rel.root, cpath, os.path.relpath(pick, rel.root))
+        return pick
+    return rel.bf16 or rel.w8a8
+
+
+def _table(rel: fdmd.Release, adaln: str, det) -> adaln_mod.AdaLNTable | None:
+    if adaln == ADALN_NONE:
+        if not det.has_adaln:
+            raise CheckpointError(det.path, "adaln=none computes the AdaLN from the weights, but these weights have "
+                                            "none (the W8A8 export omits them)",
+                                  expected="adaln=auto with the release's adaln/ folder, or an AdaLN table file")
+        return None
+    if adaln == ADALN_AUTO:
+        if rel.adaln is None:
+            if det.has_adaln:
+                return None
+            raise CheckpointError(det.path, "no AdaLN weights and no adaln/ table beside them",
+                                  expected="the release folder (with adaln/), or an AdaLN table picked in 'adaln'")
+        try:
+            return adaln_mod.read_table(rel.adaln)
+        except CheckpointError as e:
+            hint = " Set adaln=none to compute the AdaLN from the BF16 weights." if det.has_adaln else ""
+            raise CheckpointError(e.path, e.cause + hint, key=e.key, expected=e.expected) from None
+    return adaln_mod.read_table(adaln)
+
+
+def load_dmd_model(path: str, adaln: str = ADALN_AUTO, compute: str = "auto", disable_dynamic: bool = False):
+    """Validate and build the TurboH3 DMD MODEL from ``path`` (file, index or release folder). ``adaln``: ``auto``,
+    ``none`` or a table path; ``compute``: ``auto`` / ``int8`` / ``reference``. Raises CheckpointError (files, table)
+    or NoCapablePathError (compute) before anything is built."""
+    import comfy.model_management as mm
+    import comfy.ops
+    import comfy.sd
+    import comfy.supported_models
+    import comfy.utils
+
+    load_device = mm.get_torch_device()
+    rel = fdmd.find_release(path)
+    try:
+        cpath, reason = registry.resolve(compute, load_device, int8_path.WEIGHT_FORMAT)
+    except Exception as e:
+        raise type(e)(f"Load TurboH3 DMD Model: compute={compute}: {e}") from None
+    weights = _pick_weights(rel, cpath)
+    det = fdmd.detect_dmd(weights)
+    for f in det.findings:
+        if f.level == "warning":
+            log.warning("%s: %s", weights, f)
+    det.raise_if_errors()
+    if compute == "auto" and cpath == "int8" and not det.int8_layers:
+        cpath, reason = "reference", "auto keeps BF16 weights exact (compute=int8 quantizes them to W8A8 on load)"
+        log_once(("dmd-auto-bf16", weights), "Load TurboH3 DMD Model: %s: compute=auto -> reference (%s)", weights, reason)
+    check_manifest_sizes(rel, det.source.files)
+    table = _table(rel, adaln, det)
+    cfg = det.config
+    if table is not None:
+        table.check_fits(cfg.layers, cfg.hidden, need_final=not det.has_final_adaln)
+    quantize = cpath == "int8" and not det.int8_layers
+    if quantize:
+        log.info("%s: BF16 weights, compute=int8: quantizing the %d DiT-block projections to W8A8 (TurboDiffusion's "
+                 "128x128 recipe) while loading", weights, 4 * cfg.layers)
+    qdev = load_device if torch.device(load_device).type == "cuda" else "cpu"
+    # core builds the model from a state dict whose large tensors are placeholders (uninitialized, never touched:
+    # no memory), then they are streamed into the built model one at a time: peak = the model + one tensor
+    plan = _stream_plan(fdmd.core_plan(det, adaln=table is None), quantize)
+    big = {k for k, (dt, shp) in plan.items() if _nbytes(dt, shp) >= PLACEHOLDER_BYTES}
+    sd = dict(_quantize_stream(fdmd.iter_core(det, adaln=table is None, only=set(plan) - big), quantize, qdev))
+    for k in big:
+        sd[k] = torch.empty(plan[k][1], dtype=_st_dtype(plan[k][0]))
+    int8 = quantize or bool(det.int8_layers)
+    sup = comfy.supported_models.MiniMaxH3.supported_inference_dtypes
+    unet_dtype = mm.unet_dtype(model_params=comfy.utils.calculate_parameters(sd), supported_dtypes=sup,
+                               weight_dtype=comfy.utils.weight_dtype(sd))
+    manual = mm.unet_manual_cast(unet_dtype, load_device, sup)
+    base = comfy.ops.pick_operations(unet_dtype, manual, load_device=load_device)
+    skip = ()
+    if table is not None:
+        skip = tuple(f"blocks.{i}.adaln_proj." for i in range(cfg.layers))
+        if table.final is not None and not det.has_final_adaln:
+            skip += ("final_layer.adaln_proj.",)
+    ops = make_dmd_operations(base, skip)
+    mp = comfy.sd.load_diffusion_model_state_dict(sd, model_options={"custom_operations": ops, "dtype": unet_dtype},
+                                                  metadata=fdmd.core_metadata(det),
+                                                  disable_dynamic=disable_dynamic or int8)
+    if mp is None:
+        raise CheckpointError(weights, "ComfyUI could not detect the model type of the converted state dict")
+    dm = mp.model.diffusion_model
+    pbar = comfy.utils.ProgressBar(max(len(big), 1))
+    done = 0
+    for k, t in _quantize_stream(fdmd.iter_core(det, adaln=table is None, only=big | {_layer_key(b) for b in big}),
+                                 quantize, qdev):
+        if k in big:
+            _fill(dm, k, t)
+            done += 1
+            pbar.update_absolute(done, len(big))
+    n8 = 0
+    for name, mod in dm.named_modules():
+        if getattr(mod, "int8_weight", None) is not None:
+            mod._h3_path = cpath
+            n8 += 1
+    if table is not None:
+        adaln_mod.install(dm, table)
+    mp.size = mm.module_size(mp.model)
+    mp.cached_patcher_init = (_reload, (path, adaln, compute))
+    name = os.path.basename(path.rstrip("/"))
+    contracts.attach(mp, contracts.TURBOH3_DMD, compute=cpath, compute_reason=reason, source_format=det.format,
+                     checkpoint=name, adaln=(table.describe() if table is not None else "from the weights"),
+                     dmd=True)
+    state.record_loaded_model(weights, format=det.format, compute=cpath, bytes=int(mp.model_size()),
+                              layers_int8=n8, adaln=("table" if table is not None else "weights"))
+    log_once(("dmd-loaded", weights, cpath, adaln), "Load TurboH3 DMD Model: %s (%s, %s naming, Q/K/V %s) with "
+             "compute=%s (%s), %d W8A8 layers, AdaLN %s", weights, det.format, det.naming, det.qkv, cpath, reason, n8,
+             table.describe() if table is not None else "from the weights")
+    return mp
+
+
+def _reload(path, adaln, compute, disable_dynamic=False):
+    """``cached_patcher_init`` factory (core calls it with ``disable_dynamic=True`` for delegates)."""
+    return load_dmd_model(path, adaln, compute, disable_dynamic=disable_dynamic)
+
+
+def is_dmd(model_patcher) -> bool:
+    """True when the MODEL is a TurboH3 DMD model (loaded by this module)."""
+    return bool(contracts.copy_entry(getattr(model_patcher, "model_options", None)).get("dmd"))

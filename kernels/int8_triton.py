@@ -58,7 +58,7 @@ def quantize_blocks(x2d: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 @triton.jit
 def _w8a8_kernel(xq_ptr, sx_ptr, wq_ptr, sw_ptr, out_ptr, M, N, K, KB, stride_xm, stride_wn, stride_om,
-                 stride_sxm, stride_swn, SW_GROUP, M_BUCKET, INTERP: tl.constexpr,
+                 stride_sxm, stride_swn, SW_GROUP: tl.constexpr, M_BUCKET, INTERP: tl.constexpr, EVEN_K: tl.constexpr,
                  BM: tl.constexpr, BN: tl.constexpr, GROUP_M: tl.constexpr):
     pid = tl.program_id(0)
     num_m = tl.cdiv(M, BM)
@@ -77,16 +77,31 @@ def _w8a8_kernel(xq_ptr, sx_ptr, wq_ptr, sw_ptr, out_ptr, M, N, K, KB, stride_xm
     acc = tl.zeros((BM, BN), dtype=tl.float32)
     for kb in range(0, KB):
         k = kb * 128 + offs_k
-        k_ok = k < K
-        a = tl.load(xq_ptr + offs_m[:, None] * stride_xm + k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0)
-        b = tl.load(wq_ptr + offs_n[None, :] * stride_wn + k[:, None], mask=n_ok[None, :] & k_ok[:, None], other=0)
+        if EVEN_K:
+            a = tl.load(xq_ptr + offs_m[:, None] * stride_xm + k[None, :], mask=m_ok[:, None], other=0)
+            b = tl.load(wq_ptr + offs_n[None, :] * stride_wn + k[:, None], mask=n_ok[None, :], other=0)
+        else:
+            k_ok = k < K
+            a = tl.load(xq_ptr + offs_m[:, None] * stride_xm + k[None, :], mask=m_ok[:, None] & k_ok[None, :],
+                        other=0)
+            b = tl.load(wq_ptr + offs_n[None, :] * stride_wn + k[:, None], mask=n_ok[None, :] & k_ok[:, None],
+                        other=0)
         if INTERP:
             part = tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
         else:
-            part = tl.dot(a, b, out_dtype=tl.int32).to(tl.float32)
-        sxv = tl.load(sx_ptr + (offs_m // 128) * stride_sxm + kb, mask=m_ok, other=0.0)
-        swv = tl.load(sw_ptr + (offs_n // SW_GROUP) * stride_swn + kb, mask=n_ok, other=0.0)
-        acc += (part * sxv[:, None]) * swv[None, :]
+            # int32 -> fp32 exactly without the slow I2F conversion: |a.b| <= 128 * 127 * 127 < 2^22, so
+            # adding the bits of 2^23 + 2^22 and subtracting that float is exact (as SageAttention does)
+            ip = tl.dot(a, b, out_dtype=tl.int32)
+            part = (ip + 0x4B400000).to(tl.float32, bitcast=True) - 12582912.0
+        if (128 % BM == 0) and (SW_GROUP % BN == 0):
+            # the tile lies in one activation row block and one weight row group: one scale for the whole tile
+            sxs = tl.load(sx_ptr + ((pid_m * BM) // 128) * stride_sxm + kb)
+            sws = tl.load(sw_ptr + ((pid_n * BN) // SW_GROUP) * stride_swn + kb)
+            acc += part * (sxs * sws)
+        else:
+            sxv = tl.load(sx_ptr + (offs_m // 128) * stride_sxm + kb, mask=m_ok, other=0.0)
+            swv = tl.load(sw_ptr + (offs_n // SW_GROUP) * stride_swn + kb, mask=n_ok, other=0.0)
+            acc += (part * sxv[:, None]) * swv[None, :]
     if INTERP:
         if out_ptr.dtype.element_ty == tl.bfloat16:
             acc = rne_bf16(acc)
@@ -99,7 +114,8 @@ def _configs():
         return [triton.Config({"BM": 32, "BN": 32, "GROUP_M": 4}, num_warps=4, num_stages=1)]
     cfgs = []
     for bm, bn, w, s in [(128, 128, 8, 3), (128, 256, 8, 3), (128, 128, 4, 4), (128, 256, 8, 4), (256, 128, 8, 3),
-                         (64, 128, 4, 4), (64, 256, 8, 3), (32, 128, 4, 4), (16, 128, 4, 4)]:
+                         (128, 128, 8, 4), (128, 128, 4, 3), (64, 128, 4, 4), (64, 256, 8, 3), (32, 128, 4, 4),
+                         (16, 128, 4, 4)]:
         cfgs.append(triton.Config({"BM": bm, "BN": bn, "GROUP_M": 8}, num_warps=w, num_stages=s))
     return cfgs
 
@@ -144,7 +160,7 @@ def gemm_quantized(xq: torch.Tensor, sx: torch.Tensor, w: Int8Weight, out_dtype:
         raise ValueError(f"int8 gemm: 32-bit offsets overflow for M={m}, N={n}, K={k}; split the rows")
     sw = w.scale
     args = (xq, sx, w.qdata, sw, out, m, n, k, sx.shape[1], xq.stride(0), w.qdata.stride(0), out.stride(0),
-            sx.stride(0), sw.stride(0), w.row_group, _bucket(m), INTERPRET)
+            sx.stride(0), sw.stride(0), w.row_group, _bucket(m), INTERPRET, k % 128 == 0)
     if FORCED["config"] is not None:
         c = dict(FORCED["config"])
         nw, ns = c.pop("num_warps", 4), c.pop("num_stages", 1)

@@ -73,6 +73,19 @@ CORE_SPECS: dict[str, tuple[list[tuple[str, str, str]], list[tuple[str, str]], s
     "MarkdownNote": ([("text", "STRING", "widget")], [], ""),
 }
 
+#: the title ComfyUI's frontend (1.49.6) gives an untitled core node, and so the ``_meta.title`` it queues: the
+#: server's display name, or the frontend's own English name for the node where it has one (LTXVSeparateAVLatent),
+#: else the node id. tests/test_browser.py checks every workflow against the frontend's queued graph.
+CORE_TITLES: dict[str, str] = {
+    "UNETLoader": "Load Diffusion Model", "CLIPLoader": "Load CLIP", "VAELoader": "Load VAE",
+    "LoadImage": "Load Image", "MiniMaxH3ImageToVideo": "MiniMax H3 Image to Video",
+    "EmptyMiniMaxH3LatentAV": "Empty MiniMax H3 AV Latent", "MiniMaxH3SigmaShift": "ModelSamplingMiniMaxH3",
+    "BasicGuider": "Basic Guider", "RandomNoise": "RandomNoise", "SamplerCustomAdvanced": "SamplerCustomAdvanced",
+    "BasicScheduler": "BasicScheduler", "KSamplerSelect": "KSamplerSelect", "VAEDecode": "VAE Decode",
+    "VAEDecodeAudio": "VAE Decode Audio", "CreateVideo": "Create Video", "SaveVideo": "Save Video",
+    "LTXVSeparateAVLatent": "LTXVSeparateAVLatent", "SaveLatent": "Save Latent",
+}
+
 
 
 def _import_comfy() -> None:
@@ -92,6 +105,7 @@ class _Specs(Mapping):
 
     def __init__(self):
         self._pack: dict | None = None
+        self._titles: dict[str, str] = {}
 
     def pack(self) -> dict:
         if self._pack is None:
@@ -102,8 +116,18 @@ class _Specs(Mapping):
             for cls in all_nodes():
                 info = cls.GET_NODE_INFO_V1()
                 specs[info["name"]] = (*spec_from_node_info(info), "h3-turbo")
+                self._titles[info["name"]] = info.get("display_name") or info["name"]
             self._pack = specs
         return self._pack
+
+    def title(self, key: str) -> str:
+        """The display name of node type ``key`` (what the frontend titles an untitled node)."""
+        if key in CORE_TITLES:
+            return CORE_TITLES[key]
+        self.pack()
+        if key not in self._titles:
+            raise KeyError(f"no display name for node type {key!r} (add it to CORE_TITLES)")
+        return self._titles[key]
 
     def __getitem__(self, key):
         if key in CORE_SPECS:
@@ -278,8 +302,12 @@ def to_ui(wf: Workflow) -> dict:
         props = {"Node name for S&R": n.type}
         if cnr:
             props["cnr_id"] = cnr
+        models = _node_models(n)
+        if models:
+            props["models"] = models
         d["properties"] = props if n.type not in NOTE_TYPES else {}
-        d["widgets_values"] = wv
+        if wv:  # the frontend writes no widgets_values for a node without widgets
+            d["widgets_values"] = wv
         if n.color:
             d["color"], d["bgcolor"] = n.color, "#000"
         nodes.append(d)
@@ -292,7 +320,7 @@ def to_ui(wf: Workflow) -> dict:
         y1 = max(m.pos[1] + _default_size(m)[1] for m in ms) + 20
         groups.append({"id": gi, "title": title, "bounding": [x0, y0, x1 - x0, y1 - y0], "color": "#3f789e",
                        "font_size": 24, "flags": {}})
-    return {
+    out = {
         "id": str(uuid.uuid5(uuid.NAMESPACE_URL, f"h3-turbo/example_workflows/{wf.name}")),
         "revision": 0,
         "last_node_id": max(n.id for n in wf.nodes),
@@ -301,11 +329,39 @@ def to_ui(wf: Workflow) -> dict:
         "links": links,
         "groups": groups,
         "config": {},
-        "extra": {"ds": {"scale": 0.6, "offset": [60, 120]},
+        "extra": {"ds": _fit_view(wf, groups),
                   "h3_turbo": {"generator": "python -m h3_turbo.tools.workflows", "api_twin": f"api/{wf.name}.json",
                                "title": wf.title}},
         "version": 0.4,
     }
+    models = [m for n in nodes for m in n["properties"].get("models", [])]
+    if models:  # the graph-level list (frontend schema: name, url, directory), one entry per file
+        out["models"] = [m for k, m in enumerate(models) if m not in models[:k]]
+    return out
+
+
+def _node_models(n: Node) -> list[dict]:
+    """The ``properties.models`` entries of ``n`` (frontend convention: name, url, directory) for the file names
+    among its widget values that :data:`MODEL_SOURCES` knows."""
+    return [{"name": v, "url": MODEL_SOURCES[v][1], "directory": MODEL_SOURCES[v][0]}
+            for v in n.inputs.values() if isinstance(v, str) and v in MODEL_SOURCES]
+
+
+VIEW_W, VIEW_H = 1450, 820  # the canvas area a workflow should fit on opening (a 1600x1000 window, less the UI)
+MIN_SCALE = 0.6  # below this zoom the frontend draws nodes without their text (low-quality rendering)
+
+
+def _fit_view(wf: Workflow, groups: list[dict]) -> dict:
+    """``extra.ds`` (LiteGraph: screen = (pos + offset) * scale) that opens on the graph's top-left corner (the
+    note) at the largest zoom that fits the whole graph, but never below :data:`MIN_SCALE`."""
+    boxes = [(n.pos[0], n.pos[1] - TITLE_H, n.pos[0] + _default_size(n)[0], n.pos[1] + _default_size(n)[1])
+             for n in wf.nodes]
+    boxes += [(g["bounding"][0], g["bounding"][1], g["bounding"][0] + g["bounding"][2],
+               g["bounding"][1] + g["bounding"][3]) for g in groups]
+    x0, y0 = min(b[0] for b in boxes), min(b[1] for b in boxes)
+    x1, y1 = max(b[2] for b in boxes), max(b[3] for b in boxes)
+    scale = round(max(MIN_SCALE, min(1.0, VIEW_W / (x1 - x0), VIEW_H / (y1 - y0))), 2)
+    return {"scale": scale, "offset": [round(90 / scale - x0), round(90 / scale - y0)]}
 
 
 def to_api(wf: Workflow) -> dict:
@@ -322,15 +378,17 @@ def to_api(wf: Workflow) -> dict:
                 continue
             v = n.inputs[name]
             inputs[name] = [str(v[0]), v[1]] if _is_link(v) else v
-        out[str(n.id)] = {"class_type": n.type, "inputs": inputs, "_meta": {"title": n.title or n.type}}
+        out[str(n.id)] = {"class_type": n.type, "inputs": inputs, "_meta": {"title": n.title or SPECS.title(n.type)}}
     return out
 
 
-def ui_to_api(ui: dict, specs: dict | None = None) -> dict:
-    """Convert a UI (LiteGraph) workflow to an API prompt, reading only ``ui`` and a spec table
-    ({type: (inputs, outputs, ...)}, default :data:`SPECS`). Bypassed/muted nodes (mode != 0) and notes are
-    dropped. Raises ValueError naming the node when widgets_values does not fit the spec."""
+def ui_to_api(ui: dict, specs: dict | None = None, title=None) -> dict:
+    """Convert a UI (LiteGraph) workflow to an API prompt, reading only ``ui``, a spec table
+    ({type: (inputs, outputs, ...)}, default :data:`SPECS`) and ``title`` (type -> display name, default
+    ``SPECS.title``: the title the frontend gives an untitled node). Bypassed/muted nodes (mode != 0) and notes
+    are dropped. Raises ValueError naming the node when widgets_values does not fit the spec."""
     specs = specs or SPECS
+    title = title or SPECS.title
     links = {lk[0]: lk for lk in ui["links"]}
     out = {}
     for nd in ui["nodes"]:
@@ -359,7 +417,7 @@ def ui_to_api(ui: dict, specs: dict | None = None) -> dict:
         if k != len(wv):
             raise ValueError(f"node {nd['id']} ({nd['type']}): widgets_values has {len(wv)} values, spec uses {k}")
         out[str(nd["id"])] = {"class_type": nd["type"], "inputs": inputs,
-                              "_meta": {"title": nd.get("title") or nd["type"]}}
+                              "_meta": {"title": nd.get("title") or title(nd["type"])}}
     return dict(sorted(out.items(), key=lambda kv: int(kv[0])))
 
 
@@ -372,6 +430,20 @@ TURBO_4STEP = "minimax_h3_fl2v_turbo_4step_v1.1_768p_comfyui_bf16.safetensors"
 TURBO_8STEP = "minimax_h3_fl2v_turbo_8step_v1.0_comfyui_bf16.safetensors"
 TINY_MODEL = "h3_tiny_nvfp4.safetensors"
 TINY_TURBO_4STEP = "h3_tiny_turbo_4step_comfyui_bf16.safetensors"
+_CORE_H3 = "https://huggingface.co/Comfy-Org/MiniMax-H3/resolve/main/"
+_TURBO = "https://huggingface.co/lightx2v/Minimax-h3-Turbo/resolve/main/"
+#: where each file the real workflows need comes from: {file name: (ComfyUI models folder, public download URL)}.
+#: Core's H3 files: the Comfy-Org/MiniMax-H3 repository core's own H3 templates download them from; the Turbo
+#: LoRAs: lightx2v/Minimax-h3-Turbo (docs/h3-facts.md#turbo-lora-files). The H3 NVFP4 model has no official
+#: download (community exports only), so it has no entry: the frontend's schema needs a URL, and the notes say
+#: where the file goes.
+MODEL_SOURCES: dict[str, tuple[str, str]] = {
+    TEXT_ENCODER: ("text_encoders", _CORE_H3 + "text_encoders/" + TEXT_ENCODER),
+    VIDEO_VAE: ("vae", _CORE_H3 + "vae/" + VIDEO_VAE),
+    AUDIO_VAE: ("vae", _CORE_H3 + "vae/" + AUDIO_VAE),
+    TURBO_4STEP: ("loras", _TURBO + TURBO_4STEP),
+    TURBO_8STEP: ("loras", _TURBO + TURBO_8STEP),
+}
 PROMPT = ("A calm restaurant at dusk. The camera slowly pushes in past the tables toward the window; warm lamps, "
           "soft chatter, cutlery clinking, a quiet piano in the background.")
 
@@ -449,9 +521,9 @@ def _turbo_workflow(name: str, variant: str, official: str, nfe: int, shifts: st
             f"uses the adapter's contract: {nfe} model calls, shifts {shifts}, uniform shifted training-Euler; "
             f"any other step count is refused with an error. **H3 Turbo Sampler** keeps separate video and audio "
             f"states. No CFG (BasicGuider).\n\n" + _files_note(
-                f"| `{official}` (lightx2v/Minimax-h3-Turbo; alias `{variant}` in the Turbo combo) | `loras/` | "
+                f"| `{official}` (lightx2v/Minimax-h3-Turbo; the `{variant}` entry of the Turbo list picks the same file) | `loras/` | "
                 f"H3 Turbo LoRA |\n"))
-    nodes = _real_front(variant) + _real_back(
+    nodes = _real_front(official) + _real_back(
         4, Node(10, "H3TurboSigmas", {"model": (4, 0), "steps": 0}, (820, 140)),
         Node(11, "H3TurboSampler", {"state_dtype": "fp32"}, (820, 350)), seed, f"h3turbo/turbo_{variant}")
     nodes.append(Node(30, "MarkdownNote", {"text": note}, (-560, 0), title="Note: files", size=(520, 560),

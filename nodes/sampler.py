@@ -63,13 +63,17 @@ class H3TurboSigmas(io.ComfyNode):
             node_id="H3TurboSigmas",
             display_name="H3 Turbo Sigmas",
             category=CATEGORY,
-            description="Video sigmas shift*b/(1+(shift-1)*b), b = linspace(1,0,steps+1), last 0. steps counts "
-                        "MODEL EVALUATIONS (0 = the attached Turbo contract's). With a Turbo LoRA the shift is "
-                        "the contract's; without one, the model's ModelSamplingMiniMaxH3 shift_video.",
+            description="The sigmas (noise levels) a Turbo LoRA was trained with, for SamplerCustomAdvanced: "
+                        "the uniform grid shifted by the adapter's video shift. steps counts model evaluations, as "
+                        "ComfyUI does (a 4-step adapter: steps 4, five sigmas); 0 takes the adapter's own count, and "
+                        "with a Turbo adapter any other count is an error. Without a Turbo LoRA: steps must be > 0 "
+                        "and the shift is the model's (ModelSamplingMiniMaxH3 shift_video).",
             inputs=[
-                io.Model.Input("model"),
+                io.Model.Input("model", tooltip="The MODEL from Apply H3 Turbo LoRA (carries the adapter's step "
+                                                "count and shifts)."),
                 io.Int.Input("steps", default=0, min=0, max=1000,
-                             tooltip="Model evaluations; 0 = the Turbo contract's NFE (4 for 4-step)."),
+                             tooltip="Model evaluations; 0 = the Turbo adapter's own count (4 for 4-step, 8 for "
+                                     "8-step)."),
             ],
             outputs=[io.Sigmas.Output()],
         )
@@ -86,11 +90,13 @@ class H3TurboSampler(io.ComfyNode):
     def define_schema(cls):
         return io.Schema(
             node_id="H3TurboSampler",
-            display_name="H3 Turbo Sampler (training-Euler AV)",
+            display_name="H3 Turbo Sampler",
             category=CATEGORY,
-            description="Deterministic Euler x += (sigma_i - sigma_next) * (x0 - noise) per stream, video on the "
-                        "SIGMAS, audio on its own grid, one model call per step at (sigma_v, sigma_a). Enforces "
-                        "the Turbo contract at sampling time (steps, grid, no CFG, no denoiser cache, shifts).",
+            description="The sampler the Turbo LoRAs were distilled with (LightX2V's training Euler), for "
+                        "SamplerCustomAdvanced: deterministic Euler steps, one model call per step, with video on "
+                        "the SIGMAS and audio on its own shifted grid, each kept as a separate state. It checks the "
+                        "Turbo adapter's contract when sampling starts (step count, sigmas, shifts, no CFG, no "
+                        "EasyCache/LazyCache) and stops with an error naming what is wrong.",
             inputs=[
                 io.Combo.Input("state_dtype", options=list(training_euler.STATE_DTYPES), default="fp32",
                                tooltip="dtype of the video/audio states between steps (fp32 = LightX2V)."),

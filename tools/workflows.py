@@ -240,13 +240,17 @@ def _check(wf: Workflow) -> None:
                 raise ValueError(f"workflow {wf.name}: node {n.id} ({n.type}) lacks required input {name!r}")
 
 
+FILE_WIDGETS = ("unet_name", "clip_name", "vae_name", "turbo")  # combos of (long) model file names
+
+
 def _default_size(n: Node) -> list[float]:
     if n.size:
         return list(n.size)
     ins, outs, _ = SPECS[n.type]
     links = sum(1 for i in ins if i[2].startswith("link"))
     widgets = sum(1 for i in ins if i[2].startswith("widget"))
-    return [320, 46 + 24 * max(links, len(outs)) + 26 * widgets]
+    width = 360 if any(i[0] in FILE_WIDGETS for i in ins) else 320
+    return [width, 46 + 24 * max(links, len(outs)) + 26 * widgets]
 
 
 def to_ui(wf: Workflow) -> dict:
@@ -447,21 +451,22 @@ MODEL_SOURCES: dict[str, tuple[str, str]] = {
 PROMPT = ("A calm restaurant at dusk. The camera slowly pushes in past the tables toward the window; warm lamps, "
           "soft chatter, cutlery clinking, a quiet piano in the background.")
 
-_FILES_NOTE = """## Files: where they go (ComfyUI `models/` folder)
+_FILES_NOTE = """## Files (ComfyUI `models/` folder)
 
-| file | folder | node |
-|---|---|---|
-| `{model}` (your ComfyUI-native NVFP4 MiniMax H3 FL2VA checkpoint) | `diffusion_models/` | H3 Turbo NVFP4 Loader |
-| `{te}` | `text_encoders/` | CLIPLoader (type `minimax`) |
-| `{vvae}` | `vae/` | VAELoader (video) |
-| `{avae}` | `vae/` | VAELoader (audio) |
-{extra}
-Put the first frame in ComfyUI's `input/` folder (or upload it in the Load Image node).
+- `{model}` in `diffusion_models/`: your MiniMax H3 FL2VA checkpoint in NVFP4 (ComfyUI-native, ModelOpt or LightX2V export; there is no official NVFP4 release), or a BF16 one (quantized while loading). Pick it in the loader.
+{rows}
+ComfyUI's missing-models panel offers the downloads with a source. Put the first frame in ComfyUI's `input/` folder, or upload it in the Load Image node.
 """
 
 
-def _files_note(extra: str = "") -> str:
-    return _FILES_NOTE.format(model=NVFP4_MODEL, te=TEXT_ENCODER, vvae=VIDEO_VAE, avae=AUDIO_VAE, extra=extra)
+def _files_note(*files: str) -> str:
+    """The note's file list: the H3 model, then ``files`` (keys of :data:`MODEL_SOURCES`) with folder and source."""
+    rows = ""
+    for f in files:
+        folder, url = MODEL_SOURCES[f]
+        repo = url.split("huggingface.co/", 1)[1].split("/resolve/", 1)[0]
+        rows += f"- `{f}` in `{folder}/`, from [{repo}]({url})\n"
+    return _FILES_NOTE.format(model=NVFP4_MODEL, rows=rows)
 
 
 TITLE_H = 30   # LiteGraph draws a node's title bar above its pos
@@ -516,17 +521,22 @@ def _real_back(model_src: int, sigmas: Node, sampler: Node, seed: int, prefix: s
 
 
 def _turbo_workflow(name: str, variant: str, official: str, nfe: int, shifts: str, seed: int) -> Workflow:
-    note = (f"# FL2VA Turbo {variant} on NVFP4\n\nThe Turbo LoRA runs as an unmerged runtime branch over the packed "
-            f"NVFP4 base (`out = base(x) + strength*(alpha/rank)*B(A(x))`). **H3 Turbo Sigmas** with steps = 0 "
-            f"uses the adapter's contract: {nfe} model calls, shifts {shifts}, uniform shifted training-Euler; "
-            f"any other step count is refused with an error. **H3 Turbo Sampler** keeps separate video and audio "
-            f"states. No CFG (BasicGuider).\n\n" + _files_note(
-                f"| `{official}` (lightx2v/Minimax-h3-Turbo; the `{variant}` entry of the Turbo list picks the same file) | `loras/` | "
-                f"H3 Turbo LoRA |\n"))
+    note = (f"# MiniMax H3 image to video + audio, Turbo {variant} (NVFP4)\n\n"
+            f"A 960x544 video of 124 frames (about 5 s at 24 fps) with stereo sound, from a first frame and a prompt, "
+            f"in {nfe} model calls instead of 20.\n\n"
+            f"- **Load H3 NVFP4 Diffusion Model** loads the 33 B H3 model with 4-bit (NVFP4) weights; `compute` "
+            f"auto picks the fastest path for your GPU.\n"
+            f"- **Apply H3 Turbo LoRA** adds the official {variant} Turbo LoRA beside the weights (never merged). "
+            f"The LoRA decides the sampling: {nfe} model calls, shifts {shifts}.\n"
+            f"- **H3 Turbo Sigmas** at steps 0 takes the LoRA's {nfe}; any other step count is refused with an "
+            f"error, as is CFG: keep Basic Guider.\n"
+            f"- **H3 Turbo Sampler** is the sampler the LoRA was trained with.\n"
+            f"- First and last frame: connect a second Load Image to `last_frame` of MiniMax H3 Image to Video.\n\n"
+            + _files_note(official, TEXT_ENCODER, VIDEO_VAE, AUDIO_VAE))
     nodes = _real_front(official) + _real_back(
         4, Node(10, "H3TurboSigmas", {"model": (4, 0), "steps": 0}, (820, 140)),
         Node(11, "H3TurboSampler", {"state_dtype": "fp32"}, (820, 350)), seed, f"h3turbo/turbo_{variant}")
-    nodes.append(Node(30, "MarkdownNote", {"text": note}, (-560, 0), title="Note: files", size=(520, 560),
+    nodes.append(Node(30, "MarkdownNote", {"text": note}, (-620, 0), title="Read me", size=(580, 540),
                       color="#432"))
     _stack(nodes, [(0, 0, [2, 5, 6, 7]), (380, 0, [3, 4]), (0, ("below", [2, 3, 4, 5, 6, 7]), [1]),
                    (380, ("below", [2, 3, 4, 5, 6, 7]), [8]), (840, 0, [9, 10, 11, 12]), (1220, 0, [13]),
@@ -537,16 +547,20 @@ def _turbo_workflow(name: str, variant: str, official: str, nfe: int, shifts: st
 
 
 def _base_workflow() -> Workflow:
-    note = ("# Base beta/RES (no Turbo)\n\nThe original path, unchanged: `res_multistep` sampler with the `beta` "
-            "scheduler, 20 steps, shifts 12/3 (MiniMax H3 Sigma Shift), no CFG. Outputs are the same as core's with "
-            "the same model, so this is the reference to compare the Turbo workflows against.\n\n" + _files_note())
+    note = ("# MiniMax H3 image to video + audio, 20 steps (no Turbo)\n\n"
+            "Core's own sampling, unchanged: the `res_multistep` sampler with the `beta` scheduler, 20 steps, shifts "
+            "12/3 (ModelSamplingMiniMaxH3), no CFG, on the pack's NVFP4 loader and attention. Use it as the "
+            "reference for the Turbo workflows.\n\n"
+            "- When you compare with core's own loader, set `compute` to `exact` on the loader: `auto` may pick "
+            "the approximate `fp8` path (Ada/Hopper GPUs).\n\n"
+            + _files_note(TEXT_ENCODER, VIDEO_VAE, AUDIO_VAE))
     nodes = _real_front(None)
     nodes.append(Node(4, "MiniMaxH3SigmaShift", {"model": (3, 0), "shift_video": 12.0, "shift_audio": 3.0}, (380, 150)))
     nodes += _real_back(4, Node(10, "BasicScheduler", {"model": (4, 0), "scheduler": "beta", "steps": 20, "denoise": 1.0},
                                 (820, 140)),
                         Node(11, "KSamplerSelect", {"sampler_name": "res_multistep"}, (820, 350)), 440408,
                         "h3turbo/base_beta_res")
-    nodes.append(Node(30, "MarkdownNote", {"text": note}, (-560, 0), title="Note: files", size=(520, 520),
+    nodes.append(Node(30, "MarkdownNote", {"text": note}, (-620, 0), title="Read me", size=(580, 440),
                       color="#432"))
     _stack(nodes, [(0, 0, [2, 5, 6, 7]), (380, 0, [3, 4]), (0, ("below", [2, 3, 4, 5, 6, 7]), [1]),
                    (380, ("below", [2, 3, 4, 5, 6, 7]), [8]), (840, 0, [9, 10, 11, 12]), (1220, 0, [13]),
@@ -557,13 +571,17 @@ def _base_workflow() -> Workflow:
 
 
 def _tiny_workflow() -> Workflow:
-    note = ("# Tiny demo (runs on CPU in seconds)\n\nA tiny MiniMax H3 (same layout as the 33 B model, 50+2 blocks, "
-            "hidden 64) in NVFP4, with a tiny 4-step Turbo LoRA: the whole Turbo path (NVFP4 loader, LoRA branch, "
-            "contract sigmas, AV training-Euler sampler) without the 60 GB of real weights. No text encoder or VAE: "
-            "**H3 Turbo Test Conditioning** gives seeded random conditioning and the outputs are latents plus a "
-            "latent RGB preview.\n\n## Files\n\nCreate them with `python -m h3_turbo.tools make-fixtures <ComfyUI>/models`:\n\n"
-            f"| file | folder |\n|---|---|\n| `{TINY_MODEL}` | `diffusion_models/` |\n"
-            f"| `{TINY_TURBO_4STEP}` | `loras/` |\n| `h3_tiny_turbo_8step_comfyui_bf16.safetensors` | `loras/` |\n")
+    note = ("# Tiny demo (runs on the CPU in seconds)\n\n"
+            "The whole Turbo path (NVFP4 loader, Turbo LoRA, Turbo sigmas and sampler) on a tiny H3 with the real "
+            "layout (50 + 2 blocks, width 64) and a tiny 4-step Turbo LoRA, without the 60 GB of real files. It "
+            "has no text encoder and no VAE: **H3 Turbo Random Conditioning** stands in for the prompt, and the "
+            "outputs are the video and audio latents plus a latent preview video.\n\n"
+            "- Turbo off: set the LoRA's `turbo` to `none` **and** H3 Turbo Sigmas' `steps` above 0 (steps 0 means "
+            "the LoRA's count, and there is none).\n\n"
+            "## Files\n\nMake them with `python -m h3_turbo.tools make-fixtures <folder>`, then start ComfyUI "
+            "with that folder as a models folder (README, \"Serve the tiny demo\"):\n\n"
+            f"- `{TINY_MODEL}` in `diffusion_models/`\n- `{TINY_TURBO_4STEP}` in `loras/`\n"
+            "- `h3_tiny_turbo_8step_comfyui_bf16.safetensors` in `loras/`\n")
     nodes = [
         Node(1, "H3TurboNVFP4Loader", {"unet_name": TINY_MODEL, "compute": "auto"}, (0, 0)),
         Node(2, "H3TurboLoRA", {"model": (1, 0), "turbo": TINY_TURBO_4STEP, "strength": 1.0}, (380, 0)),
@@ -582,7 +600,7 @@ def _tiny_workflow() -> Workflow:
              title="Save audio latent"),
         Node(13, "H3TurboSaveLatentPreview", {"av_latent": (9, 0), "filename_prefix": "h3turbo/tiny_preview"},
              (1600, 150), size=(380, 380)),
-        Node(30, "MarkdownNote", {"text": note}, (-560, 0), title="Note: files", size=(520, 480), color="#432"),
+        Node(30, "MarkdownNote", {"text": note}, (-620, 0), title="Read me", size=(580, 400), color="#432"),
     ]
     _stack(nodes, [(0, 0, [1]), (380, 0, [2, 3]), (800, 0, [4, 5, 6, 7, 8]), (1180, 0, [9]), (1600, 0, [10, 13]),
                    (2020, 0, [11, 12])])

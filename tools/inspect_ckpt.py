@@ -8,6 +8,7 @@ import sys
 from ..formats import convert as conv
 from ..formats.detect import check_block_scales, detect
 from ..formats.safetensors_io import CheckpointError, read_header
+from . import inspect_lora
 
 
 def _gib(n: int) -> str:
@@ -15,11 +16,15 @@ def _gib(n: int) -> str:
 
 
 def inspect_file(path: str, scan_scales: bool = True) -> tuple[dict, list[str]]:
-    """Inspect ``path``: returns (report dict, findings as text). Container errors become one finding."""
+    """Inspect ``path``: returns (report dict, findings as text). Container errors become one finding. A LoRA
+    adapter is inspected as a Turbo LoRA (:func:`h3_turbo.tools.inspect_lora.inspect_turbo_lora`, report
+    ``kind`` "turbo_lora"); anything else as a diffusion model."""
     try:
         hdr = read_header(path)
     except CheckpointError as e:
         return {"path": path, "ok": False, "format": None}, [f"[error] {e}"]
+    if inspect_lora.looks_like_lora(hdr.tensors):
+        return inspect_lora.inspect_turbo_lora(path)
     det = detect(hdr)
     if scan_scales and det.quant_layers and not det.errors:
         check_block_scales(path, det)
@@ -56,6 +61,8 @@ def cmd_inspect(args) -> int:
     rep, findings = inspect_file(args.file, scan_scales=not args.no_scan)
     if args.json:
         print(json.dumps(dict(rep, findings=findings), indent=2))
+    elif rep.get("kind") == "turbo_lora":
+        inspect_lora.print_report(rep, findings)
     else:
         print(f"file: {rep['path']}")
         if rep.get("file_bytes") is not None:
@@ -119,7 +126,8 @@ def cmd_convert(args) -> int:
 
 
 def add_parsers(sub) -> None:
-    p = sub.add_parser("inspect", help="format, H3 config, sizes and every validation finding (exit 1 on errors)")
+    p = sub.add_parser("inspect", help="an H3 model: format, H3 config, sizes; a Turbo LoRA: layout, targets, ranks, "
+                                       "alpha, contract, SHA-256, published or not; every finding (exit 1 on errors)")
     p.add_argument("file")
     p.add_argument("--json", action="store_true", help="machine-readable report")
     p.add_argument("--no-scan", action="store_true", help="skip reading the block scales (header-only checks)")

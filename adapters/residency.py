@@ -96,7 +96,7 @@ def budget_bytes() -> int:
 def _record(r: ResidentAdapter) -> None:
     state.record_resident_turbo(r.key, variant=r.variant, file=r.file, bytes=r.nbytes,
                                 device=str(r.module.param_device()), layout=r.layout,
-                                verified=bool(r.contract.extra.get("verified", False)))
+                                verified=r.contract.extra.get("verified"))  # True / False / None, as the scan
 
 
 def get(path: str, dims: dict[str, tuple[int, int]] | None = None) -> ResidentAdapter:

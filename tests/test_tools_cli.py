@@ -215,3 +215,72 @@ def test_convert_cli_overrides(variants, tmp_path):
     ref = load_file(variants["native_input_scale"])["blocks.3.attn.qkv_proj.weight"]
     got = load_file(out)["blocks.3.attn.qkv_proj.weight"]
     assert torch.equal(got, ((ref << 4) | (ref >> 4)).to(torch.uint8))
+
+
+# ----------------------------------------------------------------------------------------- help texts
+@pytest.mark.parametrize("argv", [
+    ("h3_turbo.tools", ["--help"]), ("h3_turbo.tools", ["inspect", "--help"]),
+    ("h3_turbo.tools", ["quantize", "--help"]), ("h3_turbo.tools", ["convert", "--help"]),
+    ("h3_turbo.tools", ["make-fixtures", "--help"]), ("h3_turbo.tools.workflows", ["--help"]),
+    ("h3_turbo.demo", ["--help"]), ("h3_turbo.client", ["submit", "--help"]), ("h3_turbo.client", ["ready", "--help"]),
+], ids=lambda a: " ".join([a[0], *a[1]]))
+def test_cli_help_is_plain_text(argv, capsys):
+    """--help reads as plain text: no reST markup (double backticks, :func: roles) from docstrings."""
+    import importlib
+
+    mod, args = argv
+    m = importlib.import_module(mod if mod != "h3_turbo.tools" and mod != "h3_turbo.client" else mod + ".__main__")
+    with pytest.raises(SystemExit) as ei:
+        m.main(args)
+    assert ei.value.code == 0
+    out = capsys.readouterr().out
+    assert out.startswith("usage: python -m ") and "``" not in out and not any(
+        r in out for r in (":func:", ":class:", ":data:", ":mod:")), out
+
+
+def test_demo_help_says_what_models_does(capsys):
+    from h3_turbo import demo
+
+    with pytest.raises(SystemExit):
+        demo.main(["--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    assert "With --models DIR: uses the ComfyUI models tree DIR as it is and writes nothing into it." in out
+    assert "python -m h3_turbo.tools make-fixtures DIR" in out
+
+
+@pytest.mark.comfyui
+def test_failed_demo_workflow_reads_as_text(comfy):
+    """A rejected workflow lists ComfyUI's errors per node (not raw dicts); a failed node is named with its error."""
+    from h3_turbo import demo
+    from h3_turbo.harness import PromptFailed
+
+    bad = {"1": {"class_type": "H3TurboNVFP4Loader", "inputs": {"unet_name": "h3_tiny_nvfp4.safetensors",
+                                                                "compute": "auto"}},
+           "2": {"class_type": "H3TurboSaveLatentPreview", "inputs": {"av_latent": ["1", 0], "filename_prefix": "x"}}}
+    with pytest.raises(PromptFailed) as ei:
+        comfy.run(bad)
+    msg = demo._failure(ei.value)
+    assert msg.startswith("ComfyUI rejected the workflow: Prompt outputs failed validation")
+    assert "\n  node 2 (H3TurboSaveLatentPreview) input 'av_latent': Return type mismatch between linked nodes" in msg
+    assert "{" not in msg and "extra_info" not in msg
+    err = PromptFailed("boom", {"node_id": "5", "node_type": "H3TurboSigmas", "exception_type": "TurboContractError",
+                                "exception_message": "wants 4 model evaluations, got steps=5\n"})
+    assert demo._failure(err) == "node 5 (H3TurboSigmas) failed: TurboContractError: wants 4 model evaluations, got steps=5"
+
+
+@pytest.mark.comfyui
+def test_make_fixtures_writes_an_extra_model_paths_file(comfy, tmp_path, monkeypatch, capsys):
+    """``make-fixtures DIR`` also writes DIR/extra_model_paths.yaml, which ComfyUI's own reader
+    (``--extra-model-paths-config``) turns into exactly the two fixture folders (README "Serve the tiny demo")."""
+    import folder_paths
+    from utils.extra_config import load_extra_path_config  # ComfyUI's
+
+    fx = tmp_path / "fx"
+    assert main(["make-fixtures", str(fx)]) == 0
+    assert f"--extra-model-paths-config {fx / 'extra_model_paths.yaml'}" in capsys.readouterr().out
+    added = []
+    monkeypatch.setattr(folder_paths, "add_model_folder_path",
+                        lambda name, path, is_default=False: added.append((name, path)))
+    load_extra_path_config(str(fx / "extra_model_paths.yaml"))
+    assert sorted(added) == [("diffusion_models", str(fx / "diffusion_models")), ("loras", str(fx / "loras"))]
+    assert (fx / "diffusion_models" / "h3_tiny_nvfp4.safetensors").is_file()

@@ -128,7 +128,7 @@ def cmd_convert(args) -> int:
 def add_parsers(sub) -> None:
     p = sub.add_parser("inspect", help="an H3 model: format, H3 config, sizes; a Turbo LoRA: layout, targets, ranks, "
                                        "alpha, contract, SHA-256, published or not; every finding (exit 1 on errors)")
-    p.add_argument("file")
+    p.add_argument("file", help="a .safetensors file: an H3 diffusion model or a Turbo LoRA")
     p.add_argument("--json", action="store_true", help="machine-readable report")
     p.add_argument("--no-scan", action="store_true", help="skip reading the block scales (header-only checks)")
     p.set_defaults(func=cmd_inspect)

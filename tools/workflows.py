@@ -632,7 +632,9 @@ def rendered(out_dir: Path = OUT_DIR) -> dict[Path, str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m h3_turbo.tools.workflows", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m h3_turbo.tools.workflows",
+                                description="Write the pack's example workflows (UI and API format) from one "
+                                            "description; --check compares instead.")
     p.add_argument("--check", action="store_true", help="exit 1 if a committed file differs from the generator")
     p.add_argument("--out", default=str(OUT_DIR), help="output folder (default: the pack's example_workflows/)")
     a = p.parse_args(argv)

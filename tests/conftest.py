@@ -55,6 +55,12 @@ def _skip_loudly(items, markers: tuple[str, ...], what: str, reason: str) -> Non
 
 
 def pytest_collection_modifyitems(config, items):
+    import importlib.util
+
+    if importlib.util.find_spec("comfy_cli") is None:  # the registry checks need comfy-cli, not ComfyUI
+        _skip_loudly(items, ("registry",), "registry tests",
+                     "NO COMFY-CLI: comfy-cli is not installed (it is in the pack's [test] extra); "
+                     "`comfy node validate` did NOT run")
     if _comfyui_path() is None:
         _skip_loudly(items, ("comfyui", "server", "browser"), "integration tests",
                      "NO REAL COMFYUI: set COMFYUI_PATH (or put a checkout at ~/ComfyUI, see README 'Tests'); "
@@ -64,6 +70,7 @@ def pytest_collection_modifyitems(config, items):
     if missing:
         _skip_loudly(items, ("browser",), "browser tests",
                      f"NO BROWSER: {missing}; the browser tests did NOT run (README 'Tests')")
+
 
 
 @pytest.fixture(scope="session")

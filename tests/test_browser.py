@@ -77,6 +77,14 @@ GRAPH_STATE = """() => {
 }"""
 
 
+SETTLED = """() => {
+  const listed = new Set([...(window.__h3.store('missingModel').missingModelCandidates || []),
+                          ...(window.__h3.store('missingMedia').missingMediaCandidates || [])].map(m => m.name));
+  return window.app.graph.nodes.every(n => (n.widgets || []).every(w =>
+      !Array.isArray(w.options && w.options.values) || w.options.values.includes(w.value) || listed.has(w.value)));
+}"""
+
+
 class UI:
     def __init__(self, page, errors: list, shots: Path, server: dict):
         self.page, self.errors, self.shots, self.server = page, errors, shots, server
@@ -91,7 +99,14 @@ class UI:
         self.page.wait_for_function(
             "twin => ((window.app.graph.extra || {}).h3_turbo || {}).api_twin === twin",
             arg=f"api/{name}.json", timeout=30_000)
-        self.page.wait_for_timeout(500)  # the missing-model pipeline runs right after the graph is configured
+        # the missing-model/media checks run after the graph is configured: wait until each combo value the
+        # server does not offer is listed by them (or 10 s; the test's asserts then say what is missing)
+        from playwright.sync_api import TimeoutError as PlaywrightTimeout
+
+        try:
+            self.page.wait_for_function(SETTLED, timeout=10_000)
+        except PlaywrightTimeout:
+            pass
 
     def state(self) -> dict:
         return self.page.evaluate(GRAPH_STATE)

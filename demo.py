@@ -1,19 +1,5 @@
-"""The main job: an H3 workflow through real ComfyUI, in-process, on the small embedded default model.
-
-    python -m h3_turbo.demo [--workflow example_workflows/api/<name>.json] [--out DIR] [--models DIR]
-
-1. finds ComfyUI (``$COMFYUI_PATH``, the ComfyUI this pack is installed in, or ``~/ComfyUI``);
-2. writes the tiny H3 fixtures (BF16 + NVFP4 model, two Turbo LoRAs) into a models folder
-   (``--models``, default a temporary folder);
-3. runs the API-format workflow from ``example_workflows/api/`` through ComfyUI's own
-   ``validate_prompt`` + ``PromptExecutor`` and prints each stage's time and the output paths.
-
-The tiny model has no VAE (core builds the H3 VAEs at full size only), so the demo writes the AV
-latent (video + audio ``.latent`` files) and a 24 fps latent-preview mp4. With the real files
-(``--models`` pointing at a ComfyUI models tree with the H3 NVFP4 model, the Qwen3-VL text encoder and
-both VAEs) run one of the real example workflows with ``--workflow`` to get an mp4 with 32 kHz
-stereo audio.
-"""
+"""The main job: an H3 workflow through the real ComfyUI, in-process (no server), on the small embedded
+default model. ``python -m h3_turbo.demo --help`` prints :data:`HELP`."""
 from __future__ import annotations
 
 import argparse
@@ -27,6 +13,29 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 DEFAULT_WORKFLOW = HERE / "example_workflows" / "api" / "h3turbo_tiny_demo.json"
+
+HELP = """\
+Run an H3 workflow through the real ComfyUI in this process (no web server), on the CPU unless --gpu.
+
+Without --models: writes the tiny H3 fixtures (a 50 + 2 block H3 in BF16 and NVFP4, two Turbo LoRAs) into a
+temporary folder, runs example_workflows/api/h3turbo_tiny_demo.json on them through ComfyUI's own validation
+and executor, prints each stage's time and the output files, and deletes the fixtures again. The tiny model
+has no VAE (core builds the H3 VAEs at full size only): the outputs are the video and audio latents
+(.latent) and a 24 fps latent-preview mp4, in OUT/h3turbo/.
+
+With --models DIR: uses the ComfyUI models tree DIR as it is and writes nothing into it. Run a real example
+workflow on the real files there (the H3 model, the Qwen3-VL text encoder, both VAEs, the Turbo LoRA) for an
+mp4 with 32 kHz stereo audio:
+  python -m h3_turbo.demo --models /path/to/ComfyUI/models --gpu \\
+      --workflow example_workflows/api/h3turbo_fl2va_turbo_4step_nvfp4.json
+
+To keep the tiny fixtures (for a live ComfyUI server), write them with
+  python -m h3_turbo.tools make-fixtures DIR
+(README, "Serve the tiny demo").
+
+ComfyUI: --comfyui, else $COMFYUI_PATH, else the ComfyUI this pack is installed in, else ~/ComfyUI.
+Exit status: 0 done; 1 the workflow failed (ComfyUI's error is printed); 2 a setup problem (no ComfyUI,
+an unreadable workflow, --models not a folder, no first-frame image)."""
 
 
 def _stage(name: str, t0: float) -> float:
@@ -59,14 +68,27 @@ def _provide_first_frames(prompt: dict) -> None:
         print(f"[h3-turbo demo] first frame: scikit-image's bundled 'astronaut' photo -> {path}")
 
 
+def _failure(e) -> str:
+    """A failed run in words: ComfyUI's validation errors per node, or the node that raised and its message."""
+    from .client import format_execution_error
+
+    if e.node_errors is None and isinstance(e.error, dict) and e.error.get("node_id") is not None:
+        return format_execution_error(e.error)
+    return str(e)
+
+
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m h3_turbo.demo", description=__doc__,
+    ap = argparse.ArgumentParser(prog="python -m h3_turbo.demo", description=HELP,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--workflow", default=str(DEFAULT_WORKFLOW), help="API-format workflow JSON")
-    ap.add_argument("--out", default=str(Path.cwd() / "h3turbo_demo_output"), help="output folder")
-    ap.add_argument("--models", default=None, help="models folder (default: fresh tiny fixtures in a temp dir)")
-    ap.add_argument("--comfyui", default=None, help="ComfyUI checkout (default: $COMFYUI_PATH, ~/ComfyUI)")
-    ap.add_argument("--gpu", action="store_true", help="let ComfyUI use the GPU (default: --cpu)")
+    ap.add_argument("--workflow", default=str(DEFAULT_WORKFLOW),
+                    help="API-format workflow JSON (default: the tiny demo)")
+    ap.add_argument("--out", default=str(Path.cwd() / "h3turbo_demo_output"),
+                    help="output folder (default: ./h3turbo_demo_output)")
+    ap.add_argument("--models", default=None, metavar="DIR",
+                    help="a ComfyUI models tree to use as it is (default: tiny fixtures in a temporary folder)")
+    ap.add_argument("--comfyui", default=None, metavar="DIR",
+                    help="ComfyUI checkout (default: $COMFYUI_PATH, the ComfyUI the pack is in, ~/ComfyUI)")
+    ap.add_argument("--gpu", action="store_true", help="let ComfyUI use the GPU (default: CPU only)")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
 
@@ -118,7 +140,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         outputs = runner.run(prompt)
     except PromptFailed as e:
-        print(f"[h3-turbo demo] FAILED: {e}", file=sys.stderr)
+        print(f"[h3-turbo demo] FAILED: {_failure(e)}", file=sys.stderr)
         return 1
     for node_id, secs in runner.node_times():
         ct = prompt.get(node_id, {}).get("class_type", "?")

@@ -100,7 +100,10 @@ class ComfyRunner:
         self.server.events.clear()
         ok, err, good_outputs, node_errors = asyncio.run(execution.validate_prompt(prompt_id, prompt, outputs))
         if not ok:
-            raise PromptFailed(f"invalid prompt: {err}; node errors: {node_errors}", err, node_errors)
+            from .client import format_rejection
+
+            raise PromptFailed("ComfyUI rejected the workflow: " + format_rejection({"error": err, "node_errors": node_errors}),
+                               err, node_errors)
         self.executor.execute(prompt, prompt_id, {"client_id": "h3turbo-harness"}, good_outputs)
         if not self.executor.success:
             errs = [d for ev, d in self.executor.status_messages if ev == "execution_error"]
@@ -133,7 +136,9 @@ class ComfyRunner:
 
 
 class PromptFailed(RuntimeError):
-    """A prompt failed validation or execution; ``str()`` is ComfyUI's message."""
+    """A prompt failed validation or execution. ``str()``: ComfyUI's exception message for an execution error
+    (``error`` is its ``execution_error`` data), a readable list of ComfyUI's validation errors for a rejected
+    prompt (``error``, ``node_errors`` are ComfyUI's)."""
 
     def __init__(self, message: str, error=None, node_errors=None):
         super().__init__(message)

@@ -4,14 +4,19 @@ The handler only reads cached state (``h3_turbo.state`` and the Turbo LoRA scann
 hashes or loads a file. Turbo files are found by :mod:`h3_turbo.adapters.scan` in a background thread
 started by :func:`register_routes` (and re-started by ``?rescan=1``).
 
-Response (JSON object):
+Response (JSON object; README "Hot API" is the user-facing copy of this list):
   ``ready`` (bool: the pack's nodes are registered and the first listing of the loras folders is done),
-  ``available_turbos`` (list of {variant, file, path, bytes, sha256, verified, source, nfe, shift_video,
-  shift_audio, expected_sha256, error}), ``resident_turbos`` ({key: info}), ``current_turbo`` (str),
-  ``current_turbo_at`` (unix s or null), ``loaded_models`` ({path: {format, compute, ...}}),
-  ``adapter_loads`` ({loads, hits, evictions}: Turbo LoRA file reads / cache hits / evictions),
-  ``scan`` (scanner status: state, pending_hashes, ...), ``device`` ({name, type}),
-  ``versions`` ({h3_turbo, comfyui, torch}), ``nodes`` (registered node ids of the pack).
+  ``available_turbos`` (list of {file, path, bytes, variant, source, nfe, shift_video, shift_audio, sha256,
+  expected_sha256, verified, error}, plus official_name for a file recognized by its hash; ``verified``: True = the SHA-256 is a published one, False = an official
+  file name whose content differs from its published SHA-256 (or cannot be read: ``error`` says why), None =
+  no published SHA-256 to compare with, or the hash is still pending), ``resident_turbos`` ({SHA-256: {variant,
+  file, bytes, device, layout, verified}}, ``verified`` as in available_turbos), ``current_turbo`` (str),
+  ``current_turbo_at`` (unix s or null), ``loaded_models`` ({path: {format, compute, bytes, packed_bytes,
+  layers_nvfp4, kernel_extra_bytes, kernel_workspace_bytes, loaded_at}}), ``adapter_loads`` ({loads, hits,
+  evictions}: Turbo LoRA file reads / cache hits / evictions), ``scan`` (the background scanner: {state,
+  started_at, listed_at, finished_at, pending_hashes, files_seen, error}), ``nodes`` (registered node ids of
+  the pack), ``time`` (the server's unix time of this answer), ``device`` ({name, type}), ``versions``
+  ({h3_turbo, comfyui, torch}).
 """
 from __future__ import annotations
 

@@ -97,7 +97,7 @@ def budget_bytes() -> int:
 def _record(r: ResidentAdapter) -> None:
     state.record_resident_turbo(r.key, variant=r.variant, file=r.file, bytes=r.nbytes,
                                 device=str(r.module.param_device()), layout=r.layout,
-                                verified=bool(r.contract is not None and r.contract.extra.get("verified", False)))
+                                verified=r.contract.extra.get("verified") if r.contract is not None else None)
 
 
 def get(path: str, dims: dict[str, tuple[int, int]] | None = None, head_dim: int | None = None) -> ResidentAdapter:

@@ -341,6 +341,10 @@ def contract_for(path: str, metadata: dict[str, str], sha: str | None) -> contra
 
     A file named like an official artifact whose published SHA-256 differs gets the official contract
     with ``extra={"verified": False}`` and a warning (the alpha check still applies).
+
+    ``extra["verified"]`` means what ``/h3turbo/ready`` reports (``adapters/scan.py``): True = the SHA-256 is a
+    published one; False = an official name whose content differs from its published SHA-256; None = there is
+    no published SHA-256 to compare with (fixtures, other files, official names with none published).
     """
     name = os.path.basename(path)
     if sha:
@@ -349,7 +353,7 @@ def contract_for(path: str, metadata: dict[str, str], sha: str | None) -> contra
             return _with(art.contract, name=name, sha256=sha, source="known-artifact", extra={"verified": True})
     art = contracts.by_filename(name)
     if art is not None:
-        verified = False
+        verified = False if art.sha256 and sha else None
         if art.sha256 and sha and art.sha256 != sha:
             log.warning("Turbo LoRA %s: file name is the official %s but its SHA-256 %s differs from the "
                         "published %s; using the official contract, unverified", path, art.contract.variant,
@@ -367,7 +371,7 @@ def contract_for(path: str, metadata: dict[str, str], sha: str | None) -> contra
                                  f"(need JSON with nfe, shift_video, shift_audio): {fx!r} ({e})") from e
         ts = metadata.get("training_scale")
         return contracts.TurboContract(f"{nfe}step", nfe, sv, sa, float(ts) if ts else None, name, sha,
-                                       "metadata", {"verified": False})
+                                       "metadata", {"verified": None})
     return None
 
 

@@ -86,10 +86,15 @@ def bench(fn, reps, warmup=1):
     ts = []
     for _ in range(reps):
         if DRY:
-            t0 = time.perf_counter(); fn(); ts.append(time.perf_counter() - t0)
+            t0 = time.perf_counter()
+            fn()
+            ts.append(time.perf_counter() - t0)
         else:
             a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record(); fn(); b.record(); b.synchronize()
+            a.record()
+            fn()
+            b.record()
+            b.synchronize()
             ts.append(a.elapsed_time(b) / 1e3)
     ts.sort()
     return ts[len(ts) // 2]
@@ -131,7 +136,10 @@ def part_a():
         for name, fn in methods.items():
             try:
                 if name == "exact":           # first use includes measuring the candidates
-                    sync(); t0 = time.perf_counter(); fn(); sync()
+                    sync()
+                    t0 = time.perf_counter()
+                    fn()
+                    sync()
                     r["exact_first_call_s"] = time.perf_counter() - t0
                     r["exact_choice"] = {"backend": next(iter(ex.chooser.choices.values())).backend,
                                          "ms": {c: 1e3 * s for c, s in next(iter(ex.chooser.choices.values())).seconds.items()},
@@ -210,13 +218,17 @@ def part_b():
         for name, to in (("core", {}), ("exact", {"optimized_attention_override": ex}),
                          ("int8_sage", {"optimized_attention_override": i8})):
             with torch.inference_mode():
-                sync(); t0 = time.perf_counter()
-                out = m(x, t, ctx, transformer_options=dict(to)); sync()
+                sync()
+                t0 = time.perf_counter()
+                out = m(x, t, ctx, transformer_options=dict(to))
+                sync()
                 first = time.perf_counter() - t0
                 ts = []
                 for _ in range(reps):
-                    sync(); t0 = time.perf_counter()
-                    out = m(x, t, ctx, transformer_options=dict(to)); sync()
+                    sync()
+                    t0 = time.perf_counter()
+                    out = m(x, t, ctx, transformer_options=dict(to))
+                    sync()
                     ts.append(time.perf_counter() - t0)
             ts.sort()
             outs[name] = [o.float() for o in out]
@@ -284,7 +296,8 @@ def part_c():
                      ("efficient", fixed_override("EFFICIENT_ATTENTION"))]
     outs, rc = {}, {}
     for name, ov in variants:
-        sync(); t0 = time.perf_counter()
+        sync()
+        t0 = time.perf_counter()
         with torch.inference_mode():
             o = m(x, t, ctx, transformer_options={} if ov is None else {"optimized_attention_override": ov})
         sync()
@@ -337,7 +350,8 @@ def part_e():
         buf, (q, k, v) = h3_qkv(S, seed=S)
         ex = A.ExactAttention(**({"candidates": ("MATH",), "devices": ("cpu",)} if DRY else {}),
                               chooser=A.BackendChooser(A.cuda_event_timer(2) if not DRY else (lambda fn: (fn(), 1.0)[1])))
-        sync(); t0 = time.perf_counter()
+        sync()
+        t0 = time.perf_counter()
         out = ex(None, q, k, v, HEADS, mask=None, skip_reshape=True)
         sync()
         c = next(iter(ex.chooser.choices.values()))

@@ -309,11 +309,15 @@ def part2(models):
 
                 def pre(mod, inp, _i=[0]):
                     if not DRY:
-                        e = torch.cuda.Event(enable_timing=True); e.record(); ev.append(["s", e])
+                        e = torch.cuda.Event(enable_timing=True)
+                        e.record()
+                        ev.append(["s", e])
 
                 def post(mod, inp, outp):
                     if not DRY:
-                        e = torch.cuda.Event(enable_timing=True); e.record(); ev.append(["e", e])
+                        e = torch.cuda.Event(enable_timing=True)
+                        e.record()
+                        ev.append(["e", e])
 
                 routes0 = lora_routes()
                 hs = [b.register_forward_pre_hook(pre) for b in dm.blocks] + [b.register_forward_hook(post) for b in dm.blocks]
@@ -322,7 +326,8 @@ def part2(models):
                     with torch.inference_mode():
                         for i in range(1 + reps):
                             ev.clear()
-                            sync(); t0 = time.perf_counter()
+                            sync()
+                            t0 = time.perf_counter()
                             o = dm(x, tt, ctx, transformer_options=dict(to))
                             sync()
                             dt = time.perf_counter() - t0

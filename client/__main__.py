@@ -19,15 +19,17 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="cmd", required=True)
     s = sub.add_parser("submit", help="queue a workflow, follow its progress, download its outputs")
     s.add_argument("workflow", help="API-format workflow JSON (e.g. example_workflows/api/h3turbo_tiny_demo.json)")
-    s.add_argument("--server", default=os.environ.get("COMFYUI_SERVER", DEFAULT_SERVER))
+    s.add_argument("--server", default=os.environ.get("COMFYUI_SERVER", DEFAULT_SERVER),
+                   help=f"ComfyUI's address (default: $COMFYUI_SERVER, else {DEFAULT_SERVER})")
     s.add_argument("--set", dest="sets", action="append", default=[], metavar="NODE_OR_TITLE.INPUT=VALUE",
                    help="override an input (node id, title or class_type; VALUE as JSON or a string); repeatable")
     s.add_argument("--out", default="h3turbo_outputs", help="folder for the downloaded outputs")
     s.add_argument("--timeout", type=float, default=3600.0, help="seconds to wait for the run")
-    s.add_argument("--no-progress", action="store_true")
+    s.add_argument("--no-progress", action="store_true", help="no progress bars")
     s.add_argument("--json", action="store_true", help="print a JSON summary instead of the file list")
     r = sub.add_parser("ready", help="print GET /h3turbo/ready")
-    r.add_argument("--server", default=os.environ.get("COMFYUI_SERVER", DEFAULT_SERVER))
+    r.add_argument("--server", default=os.environ.get("COMFYUI_SERVER", DEFAULT_SERVER),
+                   help=f"ComfyUI's address (default: $COMFYUI_SERVER, else {DEFAULT_SERVER})")
     return p
 
 

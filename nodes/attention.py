@@ -27,7 +27,10 @@ class H3TurboAttention(io.ComfyNode):
             description=registry.description(),
             inputs=[
                 io.Model.Input("model"),
-                io.Combo.Input("backend", options=registry.choices(), default=registry.AUTO),
+                io.Combo.Input("backend", options=registry.choices(), default=registry.AUTO,
+                               tooltip=f"auto = {registry.DEFAULT} (exact). Approximate backends run only when "
+                                       "picked by name: " + ", ".join(b.name for b in registry.backends()
+                                                                      if b.approximate) + "."),
             ],
             outputs=[io.Model.Output()],
         )

@@ -29,7 +29,7 @@ class H3TurboTestConditioning(io.ComfyNode):
     It carries no meaning; for real prompts use core's MiniMaxH3ImageToVideo with the text encoder.
     """
 
-    DISPLAY = "H3 Turbo Test Conditioning (no text encoder)"
+    DISPLAY = "H3 Turbo Random Conditioning (test)"
     NUMBERS = {"seed": checks.Number("int", 0, 0, 2**31 - 1), "tokens": checks.Number("int", 16, 1, 4096)}
 
     @classmethod
@@ -38,12 +38,14 @@ class H3TurboTestConditioning(io.ComfyNode):
             node_id="H3TurboTestConditioning",
             display_name=cls.DISPLAY,
             category=CATEGORY,
-            description="Seeded random text conditioning in the H3 model's text width, for runs without "
-                        "the 32 B text encoder. Not a prompt: use MiniMaxH3ImageToVideo for real prompts.",
+            description="Random text conditioning (seeded) in the H3 model's text width: a stand-in for the 32 B "
+                        "text encoder, to test a model or a workflow without it (the tiny demo). It is not a "
+                        "prompt: for real prompts use MiniMax H3 Image to Video with the text encoder.",
             inputs=[
-                io.Model.Input("model"),
-                cls.NUMBERS["seed"].input("seed", control_after_generate=io.ControlAfterGenerate.fixed),
-                cls.NUMBERS["tokens"].input("tokens"),
+                io.Model.Input("model", tooltip="The H3 MODEL the conditioning is for (sets its width)."),
+                cls.NUMBERS["seed"].input("seed", control_after_generate=io.ControlAfterGenerate.fixed,
+                                          tooltip="Seed of the random values: the same seed gives the same conditioning."),
+                cls.NUMBERS["tokens"].input("tokens", tooltip="Number of text tokens."),
             ],
             outputs=[io.Conditioning.Output()],
         )
@@ -97,10 +99,13 @@ class H3TurboSaveLatentPreview(io.ComfyNode):
             node_id="H3TurboSaveLatentPreview",
             display_name="H3 Turbo Save Latent Preview (mp4)",
             category=CATEGORY,
-            description="Latent-preview video (core's RGB factors, 8x nearest upscale, 24 fps) of an H3 "
-                        "AV latent, for runs without the video VAE.",
-            inputs=[io.Latent.Input("av_latent"),
-                    io.String.Input("filename_prefix", default="h3turbo/preview")],
+            description="Saves a quick look at an H3 video+audio latent without the video VAE: a 24 fps mp4 of "
+                        "its video part through core's latent RGB preview colors, 8x enlarged. Silent, and only "
+                        "a preview: decode with VAE Decode for the real video.",
+            inputs=[io.Latent.Input("av_latent", tooltip="The video+audio LATENT of an H3 sampler."),
+                    io.String.Input("filename_prefix", default="h3turbo/preview",
+                                    tooltip="Output file name prefix (subfolders allowed), under ComfyUI's output "
+                                            "folder.")],
             outputs=[],
             is_output_node=True,
         )

@@ -13,6 +13,14 @@ from ..runtime.loading import load_h3_model
 COMPUTE_CHOICES = registry.choices()
 
 
+def _compute_tooltip() -> str:
+    exact = [n for n in COMPUTE_CHOICES if n in registry.PATHS and not registry.PATHS[n].approximate]
+    approx = [n for n in COMPUTE_CHOICES if n in registry.PATHS and registry.PATHS[n].approximate]
+    return (f"How the NVFP4 layers run. auto: the fastest path this GPU supports (logged once). "
+            f"Exact NVFP4 math: {', '.join(exact)}; approximate, faster: {', '.join(approx)}. "
+            "A path this device cannot run is an error, never a silent fallback.")
+
+
 class H3TurboNVFP4Loader(io.ComfyNode):
     """Load an H3 diffusion model (native NVFP4, ModelOpt, LightX2V, or BF16 quantized on load) as MODEL."""
 
@@ -24,14 +32,17 @@ class H3TurboNVFP4Loader(io.ComfyNode):
             node_id="H3TurboNVFP4Loader",
             display_name="Load H3 NVFP4 Diffusion Model",
             category=CATEGORY,
-            description="Loads a MiniMax H3 diffusion model with its 208 block projections in NVFP4 (ComfyUI-native, "
-                        "ModelOpt or LightX2V files; BF16 files are quantized while loading). The file is validated "
-                        "before anything is built. compute: auto picks the fastest path for the GPU (fp8 on "
-                        "Ada/Hopper is approximate, ~4%); exact is bit-exact NVFP4 dequant + bf16 GEMM; reference "
-                        "is core's dequantize + matmul.",
+            description="Loads a MiniMax H3 diffusion model (models/diffusion_models) with its 208 block projections "
+                        "in NVFP4, into core's own H3 model. Reads ComfyUI-native NVFP4, ModelOpt and LightX2V "
+                        "exports; a BF16/FP16/FP32 file is quantized to NVFP4 while it loads. The file is checked "
+                        "before anything is built: a bad file gets one clear error and loaded models stay as they "
+                        "are. compute auto picks the fastest path for the GPU (fp8 on Ada/Hopper is approximate, "
+                        "about 4%); pick exact for results equal to the BF16-dequantized NVFP4 weights.",
             inputs=[
-                io.Combo.Input("unet_name", options=folder_paths.get_filename_list("diffusion_models")),
-                io.Combo.Input("compute", options=list(COMPUTE_CHOICES), default="auto"),
+                io.Combo.Input("unet_name", options=folder_paths.get_filename_list("diffusion_models"),
+                               tooltip="An H3 checkpoint in models/diffusion_models: NVFP4, or BF16/FP16/FP32 "
+                                       "(quantized while loading). The format is read from the file, not its name."),
+                io.Combo.Input("compute", options=list(COMPUTE_CHOICES), default="auto", tooltip=_compute_tooltip()),
             ],
             outputs=[io.Model.Output()],
         )

@@ -60,14 +60,17 @@ class H3TurboLoRA(io.ComfyNode):
             node_id="H3TurboLoRA",
             display_name=cls.DISPLAY,
             category=CATEGORY,
-            description="Applies an official MiniMax H3 Turbo LoRA (4-step / 8-step) as an unmerged bf16 branch "
-                        "beside the base projections (works on BF16 and NVFP4 models), and attaches its "
-                        "sampling contract. 'none' or strength 0 leaves the model untouched.",
+            description="Applies an official MiniMax H3 Turbo LoRA (4-step or 8-step, models/loras) as a separate "
+                        "bf16 branch beside each projection: the base weights (BF16 or NVFP4) are never merged or "
+                        "changed. The file is checked (keys, sizes, alpha) before use, and the adapter's sampling "
+                        "contract (step count, shifts) travels with the MODEL to H3 Turbo Sigmas and H3 Turbo "
+                        "Sampler. 'none' or strength 0 switches Turbo off.",
             inputs=[
-                io.Model.Input("model"),
+                io.Model.Input("model", tooltip="An H3 MODEL (from Load H3 NVFP4 Diffusion Model, or any H3 "
+                                                "loader)."),
                 io.Combo.Input("turbo", options=options, default=NONE,
-                               tooltip="none, an alias (4step/8step) of a recognized adapter in models/loras, "
-                                       "or any file there (validated before use)."),
+                               tooltip="none (Turbo off), 4step / 8step (the official file of that name in "
+                                       "models/loras), or a file there (checked before use)."),
                 cls.NUMBERS["strength"].input("strength", tooltip="Branch strength. The Turbo contracts assume 1.0."),
                 io.Combo.Input("variant", options=list(contracts.VARIANTS), default="auto", optional=True,
                                tooltip="The Turbo contract (steps, shifts) the model carries: auto = the file's "

@@ -76,13 +76,15 @@ class H3TurboSigmas(io.ComfyNode):
             node_id="H3TurboSigmas",
             display_name=cls.DISPLAY,
             category=CATEGORY,
-            description="Video sigmas shift*b/(1+(shift-1)*b), b = linspace(1,0,steps+1), last 0. steps counts "
-                        "MODEL EVALUATIONS (0 = the attached Turbo contract's). With a Turbo contract the shift is "
-                        "the contract's. " + NO_CONTRACT_SIGMAS,
+            description="The sigmas (noise levels) a Turbo LoRA was trained with, for SamplerCustomAdvanced: "
+                        "the uniform grid shifted by the adapter's video shift. steps counts model evaluations, as "
+                        "ComfyUI does (a 4-step adapter: steps 4, five sigmas); 0 takes the adapter's own count, and "
+                        "with a Turbo adapter any other count is an error. " + NO_CONTRACT_SIGMAS,
             inputs=[
-                io.Model.Input("model"),
-                cls.NUMBERS["steps"].input("steps", tooltip="Model evaluations; 0 = the Turbo contract's NFE "
-                                                            "(4 for 4-step)."),
+                io.Model.Input("model", tooltip="The MODEL from Apply H3 Turbo LoRA (carries the adapter's step "
+                                                "count and shifts)."),
+                cls.NUMBERS["steps"].input("steps", tooltip="Model evaluations; 0 = the Turbo adapter's own count "
+                                                            "(4 for 4-step, 8 for 8-step)."),
             ],
             outputs=[io.Sigmas.Output()],
         )
@@ -100,12 +102,13 @@ class H3TurboSampler(io.ComfyNode):
     def define_schema(cls):
         return io.Schema(
             node_id="H3TurboSampler",
-            display_name="H3 Turbo Sampler (training-Euler AV)",
+            display_name="H3 Turbo Sampler",
             category=CATEGORY,
-            description="Deterministic Euler x += (sigma_i - sigma_next) * (x0 - noise) per stream, video on the "
-                        "SIGMAS, audio on its own grid, one model call per step at (sigma_v, sigma_a). Enforces "
-                        "the Turbo contract at sampling time (steps, grid, no CFG, no denoiser cache, shifts). "
-                        + NO_CONTRACT_SAMPLER,
+            description="The sampler the Turbo LoRAs were distilled with (LightX2V's training Euler), for "
+                        "SamplerCustomAdvanced: deterministic Euler steps, one model call per step, with video on "
+                        "the SIGMAS and audio on its own shifted grid, each kept as a separate state. It checks the "
+                        "Turbo adapter's contract when sampling starts (step count, sigmas, shifts, no CFG, no "
+                        "EasyCache/LazyCache) and stops with an error naming what is wrong. " + NO_CONTRACT_SAMPLER,
             inputs=[
                 io.Combo.Input("state_dtype", options=list(training_euler.STATE_DTYPES), default="fp32",
                                optional=True,

@@ -8,8 +8,11 @@
 #                 is installed whenever one of its requirements is not met (missing or another version
 #                 than pinned). Without one, only the pack's own dependencies are installed and the
 #                 integration tests skip (loudly).
+#   H3T_CHROMIUM a Chromium binary for the browser tests (default: chromium on PATH; installed with apt-get
+#                 when missing and this runs as root on Debian/Ubuntu)
 # Pinned stack (verified): Python 3.11, torch 2.14.1 + torchvision 0.29.1, torchaudio 2.11.1 (--no-deps),
-# ComfyUI's requirements (comfy-kitchen 0.2.31).
+# ComfyUI's requirements (comfy-kitchen 0.2.31). The [test] extra adds Playwright (it drives that Chromium;
+# no browser download) and comfy-cli (`comfy node validate`); neither changes a package ComfyUI pins.
 set -euo pipefail
 
 # comfy_requirements VENV COMFY PACK: install COMFY's requirements.txt (without torch*) into VENV whenever one
@@ -43,6 +46,17 @@ if [ -f "$comfy/requirements.txt" ]; then
 else
   echo "[h3-turbo] no ComfyUI at $comfy (set COMFYUI_PATH): integration tests will be skipped" >&2
   "$venv/bin/pip" install -q comfy-kitchen==0.2.31
+fi
+if [ -z "${H3T_CHROMIUM:-}" ] && ! command -v chromium >/dev/null 2>&1 && ! command -v chromium-browser >/dev/null 2>&1; then
+  if command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
+    echo "[h3-turbo] installing chromium (apt-get) for the browser tests"
+    apt_log=$(mktemp)
+    { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium; } > "$apt_log" 2>&1 \
+      || { cat "$apt_log" >&2; rm -f "$apt_log"; echo "[h3-turbo] apt-get install chromium failed" >&2; exit 1; }
+    rm -f "$apt_log"
+  else
+    echo "[h3-turbo] no chromium found and no root apt-get: the browser tests will be skipped (set H3T_CHROMIUM)" >&2
+  fi
 fi
 pip_log=$(mktemp)
 "$venv/bin/pip" install -q --no-build-isolation -e "$here[test]" > "$pip_log" 2>&1 \

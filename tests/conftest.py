@@ -24,20 +24,53 @@ def _comfyui_path() -> Path | None:
         return None
 
 
-def pytest_collection_modifyitems(config, items):
-    if _comfyui_path() is not None:
-        return
-    reason = ("NO REAL COMFYUI: set COMFYUI_PATH (or put a checkout at ~/ComfyUI, see README 'Tests'); "
-              "the integration tests did NOT run")
+def chromium_path() -> str | None:
+    """The Chromium the browser tests drive: ``$H3T_CHROMIUM``, else ``chromium`` / ``chromium-browser`` on PATH."""
+    import shutil
+
+    return os.environ.get("H3T_CHROMIUM") or shutil.which("chromium") or shutil.which("chromium-browser")
+
+
+def _browser_missing() -> str | None:
+    """Why the browser tests cannot run here (None when they can)."""
+    try:
+        import playwright.sync_api  # noqa: F401
+    except ImportError:
+        return "playwright is not installed (it is in the pack's [test] extra: pip install playwright)"
+    if chromium_path() is None:
+        return "no Chromium found (apt-get install chromium, or set H3T_CHROMIUM to a Chromium binary)"
+    return None
+
+
+def _skip_loudly(items, markers: tuple[str, ...], what: str, reason: str) -> None:
     skip = pytest.mark.skip(reason=reason)
     n = 0
     for item in items:
-        if "comfyui" in item.keywords or "server" in item.keywords:
+        if any(m in item.keywords for m in markers):
             item.add_marker(skip)
             n += 1
     if n:
-        warnings.warn(f"{n} integration tests skipped: {reason}")
-        print(f"\n*** {n} integration tests SKIPPED: {reason} ***\n", file=sys.stderr)
+        warnings.warn(f"{n} {what} skipped: {reason}")
+        print(f"\n*** {n} {what} SKIPPED: {reason} ***\n", file=sys.stderr)
+
+
+def pytest_collection_modifyitems(config, items):
+    import importlib.util
+
+    if importlib.util.find_spec("comfy_cli") is None:  # the registry checks need comfy-cli, not ComfyUI
+        _skip_loudly(items, ("registry",), "registry tests",
+                     "NO COMFY-CLI: comfy-cli is not installed (it is in the pack's [test] extra); "
+                     "`comfy node validate` did NOT run")
+    if _comfyui_path() is None:
+        _skip_loudly(items, ("comfyui", "server", "browser"), "integration tests",
+                     "NO REAL COMFYUI: set COMFYUI_PATH (or put a checkout at ~/ComfyUI, see README 'Tests'); "
+                     "the integration tests did NOT run")
+        return
+    missing = _browser_missing()
+    if missing:
+        _skip_loudly(items, ("browser",), "browser tests",
+                     f"NO BROWSER: {missing}; the browser tests did NOT run (README 'Tests')")
+
 
 
 @pytest.fixture(scope="session")
@@ -79,6 +112,12 @@ def comfy(fixtures_dir, tmp_path_factory):
     with torch.inference_mode():
         mm.unload_all_models()
     gc.collect()
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    shots = getattr(config, "_h3_browser_screenshots", None)  # set by tests/test_browser.py
+    if shots is not None:
+        terminalreporter.write_line(f"browser screenshots (one per example workflow): {shots}")
 
 
 # ----------------------------------------------------------------------------------------- server

@@ -292,15 +292,29 @@ def test_bad_adapter_through_graph(comfy, rel_models, big_base, case):
     assert loaded_patcher(comfy) is big_base               # the loader's output was reused, not rebuilt
 
 
+#: what ``inspect`` says offline about each bad adapter (the same reader messages as Apply H3 Turbo LoRA, or the
+#: coverage check that needs no model)
+ADAPTER_INSPECT_FINDINGS = {
+    "missing_targets": "[error] missing targets (an adapter must cover all four projections of every block): 4 "
+                       "[blocks.1.attn.out_proj, blocks.1.attn.qkv_proj, blocks.1.mlp.fc1, blocks.1.mlp.fc2]",
+    # self-consistent, only for another model's width: a warning offline, an error against the model
+    "other_hidden": "[warning] sized for an H3 of hidden 96, attention 64, FFN 128",
+}
+
+
 @pytest.mark.parametrize("case", ADAPTER_BAD_CASES)
 def test_bad_adapter_through_inspect(rel_models, case, capsys):
-    """``inspect`` is the model inspector: for an adapter it says so (exit 1) instead of a confusing report."""
+    """``inspect`` checks an adapter offline and names the problem the graph would stop on (exit 1)."""
     from h3_turbo.tools.__main__ import main
 
-    rc = main(["inspect", rel_models["adapters"][case]])
+    path = rel_models["adapters"][case]
+    rc = main(["inspect", path])
     out = capsys.readouterr().out
-    assert rc == 1
-    assert "a LoRA adapter, not a diffusion model (put it in models/loras)" in out, out
+    assert "kind: Turbo LoRA" in out, out
+    want = ADAPTER_INSPECT_FINDINGS.get(case) or "[error] " + ADAPTER_MESSAGES[case].format(path=path)
+    assert want in out, out
+    assert (rc, out.rstrip().endswith("RESULT: OK" if case == "other_hidden" else "RESULT: ERRORS")) == \
+        (0 if case == "other_hidden" else 1, True), out
 
 
 @pytest.mark.parametrize("case", ["bare_keys", "peft_default", "diffusers_twin"])

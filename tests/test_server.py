@@ -203,6 +203,12 @@ def test_turbo_switch_per_request_keeps_base_loaded(server, tmp_path):
             if loaded is None:
                 loaded = r["loaded_models"]
             assert r["loaded_models"] == loaded, "the base model was reloaded"
+    # a resident adapter is `verified` exactly as the same file in available_turbos (README "Hot API")
+    r = _wait_scan(server)
+    avail = {t["file"]: t["verified"] for t in r["available_turbos"]}
+    resident = {v["file"]: v["verified"] for v in r["resident_turbos"].values() if v["file"] in avail}
+    assert set(resident) >= {os.path.basename(t) for t, _, e in runs if e != "none"}, r["resident_turbos"]
+    assert resident == {f: avail[f] for f in resident} and set(resident.values()) == {None}
 
 
 # ----------------------------------------------------------------------------------------- scanner units
@@ -274,6 +280,14 @@ def test_ready_payload_is_cheap_and_complete(monkeypatch):
         assert k in body
     json.dumps(body, default=str)
     state.set_current_turbo("none")
+    # the README's table of the answer lists exactly its keys
+    import re
+
+    readme = (REPO / "README.md").read_text(encoding="utf-8")
+    hot = readme[readme.index("## Hot API"):]
+    hot = hot[:hot.index("\n## ", 1)]
+    documented = re.findall(r"^\| `(\w+)` \|", hot, flags=re.M)
+    assert sorted(documented) == sorted(body), (documented, sorted(body))
 
 
 # ----------------------------------------------------------------------------------------- client units

@@ -56,8 +56,117 @@ def test_inspect_errors_exit_1(fixtures_dir, tmp_path, capsys):
     assert main(["inspect", p]) == 1
     out = capsys.readouterr().out
     assert "file is truncated" in out and out.rstrip().endswith("RESULT: ERRORS")
-    assert main(["inspect", fixtures_dir["lora_4step"]]) == 1
-    assert "looks like a LoRA adapter" in capsys.readouterr().out
+
+
+# ----------------------------------------------------------------------------------------- inspect: Turbo LoRA
+def _rewrite_lora(src: str, dst, edit=None, meta_edit=None) -> str:
+    """A copy of LoRA ``src`` at ``dst`` with ``edit(tensors)`` / ``meta_edit(metadata)`` applied in place."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    with safe_open(src, framework="pt") as f:
+        meta = dict(f.metadata())
+    t = load_file(src)
+    if edit:
+        edit(t)
+    if meta_edit:
+        meta_edit(meta)
+    save_file(t, str(dst), metadata=meta)
+    return str(dst)
+
+
+def test_inspect_good_turbo_lora(fixtures_dir, capsys):
+    import hashlib
+
+    p = fixtures_dir["lora_8step"]
+    assert main(["inspect", p]) == 0
+    out = capsys.readouterr().out
+    assert "kind: Turbo LoRA, ComfyUI layout, keys diffusion_model.<block>.<projection>.*" in out
+    assert "targets: 208 (50 blocks + 2 refiner blocks x 4 projections), 624 tensors in the file" in out
+    assert "fits: H3 of hidden 64, attention 64, FFN 128\n" in out
+    # rank and alpha per projection (qkv fused: rank and alpha x3), alpha/rank 1/16 like the official 8-step
+    assert "  attn.qkv_proj   52 targets  rank 12  alpha 0.75  alpha/rank 0.0625\n" in out
+    for proj in ("attn.out_proj", "mlp.fc1", "mlp.fc2"):
+        assert f"  {proj:<14}  52 targets  rank 4  alpha 0.25  alpha/rank 0.0625\n" in out
+    assert "contract: 8step: 8 model evaluations, shifts 12/3 (video/audio), from the file's metadata\n" in out
+    assert f"sha256: {hashlib.sha256(open(p, 'rb').read()).hexdigest()}\n" in out
+    assert "published artifact: no\n" in out
+    assert "[warning] sized for an H3 of hidden 64" in out  # the tiny fixture is not the 33 B model's size
+    assert "[error]" not in out and out.rstrip().endswith("RESULT: OK")
+    assert main(["inspect", "--json", p]) == 0
+    rep = json.loads(capsys.readouterr().out)
+    assert (rep["kind"], rep["ok"], rep["errors"], rep["targets"]) == ("turbo_lora", True, 0, 208)
+    assert rep["projections"]["attn.qkv_proj"] == {"targets": 52, "rank": {"12": 52}, "alpha": {"0.75": 52},
+                                                  "alpha_over_rank": {"0.0625": 52}}
+    assert rep["contract"]["variant"] == "8step" and rep["contract"]["nfe"] == 8
+
+
+def test_inspect_recognizes_a_published_turbo_lora_by_hash(fixtures_dir, monkeypatch, capsys):
+    """A file whose SHA-256 is a published one is the official artifact under any name (here: the fixture stands
+    in for the published 4-step file)."""
+    from h3_turbo.adapters import contracts
+    from h3_turbo.adapters.turbo_lora import sha256_file
+
+    p = fixtures_dir["lora_4step"]
+    official = contracts.KNOWN_ARTIFACTS[0]
+    assert official.contract.variant == "4step" and official.sha256
+    fake = contracts.KnownArtifact(official.filename, sha256_file(p), official.contract)
+    monkeypatch.setattr(contracts, "KNOWN_ARTIFACTS", (fake,) + contracts.KNOWN_ARTIFACTS[1:])
+    assert main(["inspect", p]) == 0
+    out = capsys.readouterr().out
+    assert (f"published artifact: yes, {official.filename} (lightx2v/Minimax-h3-Turbo), renamed here\n") in out
+    assert "contract: 4step: 4 model evaluations, shifts 6/3 (video/audio), from the official artifact\n" in out
+
+
+def test_inspect_turbo_lora_without_contract_warns(fixtures_dir, tmp_path, capsys):
+    p = _rewrite_lora(fixtures_dir["lora_4step"], tmp_path / "mine.safetensors",
+                      meta_edit=lambda m: m.pop("h3_turbo_fixture"))
+    assert main(["inspect", p]) == 0
+    out = capsys.readouterr().out
+    assert "contract: none\n" in out and "[warning] no Turbo contract" in out and "RESULT: OK" in out
+
+
+def _drop_target(t, target="blocks.7.mlp.fc2"):
+    for k in [k for k in t if f".{target}." in k]:
+        del t[k]
+
+
+def _nan(t):
+    t["diffusion_model.blocks.3.attn.out_proj.lora_B.weight"][0, 0] = float("nan")
+
+
+def _alpha(t):
+    t["diffusion_model.blocks.9.mlp.fc1.alpha"] = torch.tensor(3.0)
+
+
+def _foreign(t):
+    t["diffusion_model.blocks.0.adaln_proj.lora_A.weight"] = torch.zeros(4, 64, dtype=torch.bfloat16)
+
+
+@pytest.mark.parametrize("edit,name,finding", [
+    (_drop_target, "x.safetensors", "missing targets (an adapter must cover all four projections of every block): "
+                                    "1 [blocks.7.mlp.fc2]"),
+    (_nan, "x.safetensors", "tensors with NaN or Inf values: 1 [diffusion_model.blocks.3.attn.out_proj.lora_B.weight]"),
+    (_alpha, "x.safetensors", "alpha/rank disagreeing with __metadata__ training_scale 0.0625: 1 "
+                              "[blocks.9.mlp.fc1: alpha 3 / rank 4 = 0.75]"),
+    (_foreign, "x.safetensors", "also targets modules outside the 208 block projections"),
+    (None, "minimax_h3_fl2v_turbo_8step_v1.0_comfyui_bf16.safetensors",
+     "named like the official minimax_h3_fl2v_turbo_8step_v1.0_comfyui_bf16.safetensors but its SHA-256"),
+])
+def test_inspect_bad_turbo_lora_names_the_finding(fixtures_dir, tmp_path, capsys, edit, name, finding):
+    p = _rewrite_lora(fixtures_dir["lora_8step"], tmp_path / name, edit=edit)
+    assert main(["inspect", p]) == 1
+    out = capsys.readouterr().out
+    assert finding in out and out.rstrip().endswith("RESULT: ERRORS"), out
+
+
+def test_inspect_turbo_lora_with_the_wrong_alpha_for_its_official_name(fixtures_dir, tmp_path, capsys):
+    """A 4-step file (alpha/rank 1) under the official 8-step name (1/16) would run 16x too strong."""
+    p = _rewrite_lora(fixtures_dir["lora_4step"], tmp_path / "minimax_h3_fl2v_turbo_8step_v1.0_comfyui_bf16.safetensors",
+                      meta_edit=lambda m: m.pop("training_scale"))
+    assert main(["inspect", p]) == 1
+    out = capsys.readouterr().out
+    assert "whose alpha/rank is 0.0625, but the file says otherwise" in out
 
 
 def test_inspect_subprocess_exit_codes(fixtures_dir, tmp_path):
@@ -106,3 +215,72 @@ def test_convert_cli_overrides(variants, tmp_path):
     ref = load_file(variants["native_input_scale"])["blocks.3.attn.qkv_proj.weight"]
     got = load_file(out)["blocks.3.attn.qkv_proj.weight"]
     assert torch.equal(got, ((ref << 4) | (ref >> 4)).to(torch.uint8))
+
+
+# ----------------------------------------------------------------------------------------- help texts
+@pytest.mark.parametrize("argv", [
+    ("h3_turbo.tools", ["--help"]), ("h3_turbo.tools", ["inspect", "--help"]),
+    ("h3_turbo.tools", ["quantize", "--help"]), ("h3_turbo.tools", ["convert", "--help"]),
+    ("h3_turbo.tools", ["make-fixtures", "--help"]), ("h3_turbo.tools.workflows", ["--help"]),
+    ("h3_turbo.demo", ["--help"]), ("h3_turbo.client", ["submit", "--help"]), ("h3_turbo.client", ["ready", "--help"]),
+], ids=lambda a: " ".join([a[0], *a[1]]))
+def test_cli_help_is_plain_text(argv, capsys):
+    """--help reads as plain text: no reST markup (double backticks, :func: roles) from docstrings."""
+    import importlib
+
+    mod, args = argv
+    m = importlib.import_module(mod if mod != "h3_turbo.tools" and mod != "h3_turbo.client" else mod + ".__main__")
+    with pytest.raises(SystemExit) as ei:
+        m.main(args)
+    assert ei.value.code == 0
+    out = capsys.readouterr().out
+    assert out.startswith("usage: python -m ") and "``" not in out and not any(
+        r in out for r in (":func:", ":class:", ":data:", ":mod:")), out
+
+
+def test_demo_help_says_what_models_does(capsys):
+    from h3_turbo import demo
+
+    with pytest.raises(SystemExit):
+        demo.main(["--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    assert "With --models DIR: uses the ComfyUI models tree DIR as it is and writes nothing into it." in out
+    assert "python -m h3_turbo.tools make-fixtures DIR" in out
+
+
+@pytest.mark.comfyui
+def test_failed_demo_workflow_reads_as_text(comfy):
+    """A rejected workflow lists ComfyUI's errors per node (not raw dicts); a failed node is named with its error."""
+    from h3_turbo import demo
+    from h3_turbo.harness import PromptFailed
+
+    bad = {"1": {"class_type": "H3TurboNVFP4Loader", "inputs": {"unet_name": "h3_tiny_nvfp4.safetensors",
+                                                                "compute": "auto"}},
+           "2": {"class_type": "H3TurboSaveLatentPreview", "inputs": {"av_latent": ["1", 0], "filename_prefix": "x"}}}
+    with pytest.raises(PromptFailed) as ei:
+        comfy.run(bad)
+    msg = demo._failure(ei.value)
+    assert msg.startswith("ComfyUI rejected the workflow: Prompt outputs failed validation")
+    assert "\n  node 2 (H3TurboSaveLatentPreview) input 'av_latent': Return type mismatch between linked nodes" in msg
+    assert "{" not in msg and "extra_info" not in msg
+    err = PromptFailed("boom", {"node_id": "5", "node_type": "H3TurboSigmas", "exception_type": "TurboContractError",
+                                "exception_message": "wants 4 model evaluations, got steps=5\n"})
+    assert demo._failure(err) == "node 5 (H3TurboSigmas) failed: TurboContractError: wants 4 model evaluations, got steps=5"
+
+
+@pytest.mark.comfyui
+def test_make_fixtures_writes_an_extra_model_paths_file(comfy, tmp_path, monkeypatch, capsys):
+    """``make-fixtures DIR`` also writes DIR/extra_model_paths.yaml, which ComfyUI's own reader
+    (``--extra-model-paths-config``) turns into exactly the two fixture folders (README "Serve the tiny demo")."""
+    import folder_paths
+    from utils.extra_config import load_extra_path_config  # ComfyUI's
+
+    fx = tmp_path / "fx"
+    assert main(["make-fixtures", str(fx)]) == 0
+    assert f"--extra-model-paths-config {fx / 'extra_model_paths.yaml'}" in capsys.readouterr().out
+    added = []
+    monkeypatch.setattr(folder_paths, "add_model_folder_path",
+                        lambda name, path, is_default=False: added.append((name, path)))
+    load_extra_path_config(str(fx / "extra_model_paths.yaml"))
+    assert sorted(added) == [("diffusion_models", str(fx / "diffusion_models")), ("loras", str(fx / "loras"))]
+    assert (fx / "diffusion_models" / "h3_tiny_nvfp4.safetensors").is_file()

@@ -472,6 +472,8 @@ def test_residency_switching_never_reloads(fixtures_dir, tmp_path, monkeypatch):
     assert got[0] is got[2] is got[5] and got[1] is got[3] is got[4]
     snap = state.snapshot()["resident_turbos"]
     assert {v["variant"] for k, v in snap.items() if k in (got[0].key, got[1].key)} == {"4step", "8step"}
+    # verified as /h3turbo/ready's available_turbos says it: None = no published SHA-256 to compare (fixtures)
+    assert [snap[r.key]["verified"] for r in got[:2]] == [None, None]
     # the same content under another name is the same resident adapter (keyed by SHA-256)
     cp = shutil.copy(p4, tmp_path / "renamed.safetensors")
     assert residency.get(str(cp)) is got[0] and residency.LOAD_STATS["loads"] == 2

@@ -64,7 +64,8 @@ def test_ui_file_is_a_consistent_litegraph_graph(name):
                 assert [lk for lk in ui["links"] if lk[0] == lid][0][1:3] == [n["id"], k]
         ins, outs, _ = W.SPECS[n["type"]]
         nwidgets = sum(1 + ("+ctrl" in k) + ("+upload" in k) for _, _, k in ins if k.startswith("widget"))
-        assert len(n["widgets_values"]) == nwidgets, n["type"]
+        assert len(n.get("widgets_values", [])) == nwidgets, n["type"]
+        assert ("widgets_values" in n) == (nwidgets > 0), n["type"]  # as the frontend saves a node
         assert [(o["name"], o["type"]) for o in n["outputs"]] == list(outs)
         assert sorted(n["order"] for n in ui["nodes"]) == list(range(len(ui["nodes"])))
     # order is a topological order of the links
@@ -144,20 +145,54 @@ def _by_type(api, t):
 def test_turbo_workflows_use_contract_steps_and_official_files(variant, nfe):
     name = f"h3turbo_fl2va_turbo_{variant}_nvfp4"
     api = _api(name)
+    official = next(a.filename for a in contracts.KNOWN_ARTIFACTS if a.sha256 and a.contract.variant == variant)
+    assert official == (W.TURBO_4STEP if nfe == 4 else W.TURBO_8STEP)
     (lora,) = _by_type(api, "H3TurboLoRA")
-    assert lora["inputs"]["turbo"] == variant and lora["inputs"]["strength"] == 1.0
+    # the official file by name (the frontend offers its download when it is missing; the alias would not)
+    assert lora["inputs"]["turbo"] == official and lora["inputs"]["strength"] == 1.0
     (sig,) = _by_type(api, "H3TurboSigmas")
     assert sig["inputs"]["steps"] == 0  # = the contract's NFE
     assert _by_type(api, "H3TurboSampler")[0]["inputs"]["state_dtype"] == "fp32"
     assert not _by_type(api, "BasicScheduler") and not _by_type(api, "KSamplerSelect")
     assert _by_type(api, "CLIPLoader")[0]["inputs"]["type"] == "minimax"
     assert sorted(n["inputs"]["vae_name"] for n in _by_type(api, "VAELoader")) == [W.AUDIO_VAE, W.VIDEO_VAE]
-    official = next(a.filename for a in contracts.KNOWN_ARTIFACTS if a.sha256 and a.contract.variant == variant)
-    assert official == (W.TURBO_4STEP if nfe == 4 else W.TURBO_8STEP)
     note = next(n for n in _load(EX / f"{name}.json")["nodes"] if n["type"] == "MarkdownNote")["widgets_values"][0]
     for f in (official, W.NVFP4_MODEL, W.TEXT_ENCODER, W.VIDEO_VAE, W.AUDIO_VAE):
         assert f in note
     assert f"{nfe} model calls" in note
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_models_lists_name_every_downloadable_file(name):
+    """Each file with a public download is declared where the frontend looks (the node's ``properties.models``,
+    the frontend's schema: name, url, directory) and in the graph-level ``models``; no other entries."""
+    ui = _load(EX / f"{name}.json")
+    used = []
+    for n in ui["nodes"]:
+        files = [v for v in n.get("widgets_values", []) if isinstance(v, str) and v.endswith(".safetensors")]
+        want = [{"name": f, "url": W.MODEL_SOURCES[f][1], "directory": W.MODEL_SOURCES[f][0]}
+                for f in files if f in W.MODEL_SOURCES]
+        assert n["properties"].get("models", []) == want, (n["id"], n["type"])
+        used += [f for f in files if f not in used]
+    declared = [m["name"] for m in ui.get("models", [])]
+    assert declared == [f for f in used if f in W.MODEL_SOURCES]
+    assert set(used) - set(declared) <= {W.NVFP4_MODEL, W.TINY_MODEL, W.TINY_TURBO_4STEP}  # no public download
+    for m in ui.get("models", []):
+        assert m["url"].startswith("https://huggingface.co/") and m["url"].endswith("/" + m["name"])
+    if name.startswith("h3turbo_fl2va_turbo_"):
+        assert {m["directory"] for m in ui["models"]} == {"loras", "text_encoders", "vae"}
+
+
+def test_model_sources_are_the_public_repositories():
+    """Core's H3 files from Comfy-Org/MiniMax-H3 (the repository of core's own H3 templates), the Turbo LoRAs from
+    lightx2v/Minimax-h3-Turbo; each in the folder its loader reads."""
+    folders = {W.TEXT_ENCODER: "text_encoders", W.VIDEO_VAE: "vae", W.AUDIO_VAE: "vae", W.TURBO_4STEP: "loras",
+               W.TURBO_8STEP: "loras"}
+    assert {f: d for f, (d, _) in W.MODEL_SOURCES.items()} == folders
+    for f, (d, url) in W.MODEL_SOURCES.items():
+        repo = "lightx2v/Minimax-h3-Turbo" if d == "loras" else "Comfy-Org/MiniMax-H3"
+        sub = "" if d == "loras" else d + "/"
+        assert url == f"https://huggingface.co/{repo}/resolve/main/{sub}{f}"
 
 
 def test_base_workflow_is_res_multistep_beta_20():

@@ -21,14 +21,25 @@ def _cmd_make_fixtures(args: argparse.Namespace) -> int:
         return 1
     for name, p in paths.items():
         print(f"{name}: {p}")
+    # a ComfyUI extra-model-paths file naming these folders (paths relative to the file's own folder)
+    folders = sorted({os.path.basename(os.path.dirname(p)) for p in paths.values()})
+    yaml_path = os.path.join(args.dir, "extra_model_paths.yaml")
+    with open(yaml_path, "w", encoding="utf-8") as f:
+        f.write("h3turbo_fixtures:\n    base_path: .\n" + "".join(f"    {d}: {d}\n" for d in folders))
+    print(f"extra_model_paths: {yaml_path}\n"
+          f"  serve them: python main.py --cpu --extra-model-paths-config {os.path.abspath(yaml_path)}  "
+          "(in your ComfyUI folder)")
     return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m h3_turbo.tools", description=__doc__)
+    p = argparse.ArgumentParser(prog="python -m h3_turbo.tools",
+                                description="Fixtures and checkpoint tools of H3 Turbo (no ComfyUI needed). "
+                                            "'python -m h3_turbo.tools COMMAND --help' for a command's options.")
     sub = p.add_subparsers(dest="cmd", required=True)
-    f = sub.add_parser("make-fixtures", help="write tiny H3 fixtures (models tree) into DIR")
-    f.add_argument("dir")
+    f = sub.add_parser("make-fixtures", help="write the tiny H3 fixtures (a models tree) and an "
+                                             "extra_model_paths.yaml for ComfyUI into DIR")
+    f.add_argument("dir", help="folder to write diffusion_models/ and loras/ into (a ComfyUI models folder)")
     f.add_argument("--seed", type=int, default=0)
     f.add_argument("--no-nvfp4", action="store_true", help="skip the NVFP4 file (needs comfy-kitchen)")
     f.set_defaults(func=_cmd_make_fixtures)

@@ -8,6 +8,7 @@ import sys
 from ..formats import convert as conv
 from ..formats.detect import check_block_scales, detect
 from ..formats.safetensors_io import CheckpointError, read_header
+from . import inspect_lora
 
 
 def _gib(n: int) -> str:
@@ -16,7 +17,9 @@ def _gib(n: int) -> str:
 
 def inspect_file(path: str, scan_scales: bool = True) -> tuple[dict, list[str]]:
     """Inspect ``path``: returns (report dict, findings as text). Container errors become one finding. TurboH3
-    DMD checkpoints (release folders, shard indexes, Diffusers / Int8Linear files) go to ``release.inspect_dmd``."""
+    DMD checkpoints (release folders, shard indexes, Diffusers / Int8Linear files) go to ``release.inspect_dmd``;
+    a LoRA adapter is inspected as a Turbo LoRA (:func:`h3_turbo.tools.inspect_lora.inspect_turbo_lora`, report
+    ``kind`` "turbo_lora"); anything else as a diffusion model."""
     from .release import inspect_dmd, is_dmd_path
 
     if is_dmd_path(path):
@@ -25,6 +28,8 @@ def inspect_file(path: str, scan_scales: bool = True) -> tuple[dict, list[str]]:
         hdr = read_header(path)
     except CheckpointError as e:
         return {"path": path, "ok": False, "format": None}, [f"[error] {e}"]
+    if inspect_lora.looks_like_lora(hdr.tensors):
+        return inspect_lora.inspect_turbo_lora(path)
     det = detect(hdr)
     if scan_scales and det.model == "h3" and not det.errors:
         check_block_scales(path, det)  # every tensor's values, the loader's and quantize's check
@@ -68,6 +73,8 @@ def cmd_inspect(args) -> int:
         from .release import print_dmd_report
 
         print_dmd_report(rep, findings)
+    elif rep.get("kind") == "turbo_lora":
+        inspect_lora.print_report(rep, findings)
     else:
         print(f"file: {rep['path']}")
         if rep.get("file_bytes") is not None:
@@ -134,8 +141,9 @@ def cmd_convert(args) -> int:
 
 
 def add_parsers(sub) -> None:
-    p = sub.add_parser("inspect", help="format, H3 config, sizes and every validation finding (exit 1 on errors)")
-    p.add_argument("file")
+    p = sub.add_parser("inspect", help="an H3 model: format, H3 config, sizes; a Turbo LoRA: layout, targets, ranks, "
+                                       "alpha, contract, SHA-256, published or not; every finding (exit 1 on errors)")
+    p.add_argument("file", help="a .safetensors file: an H3 diffusion model or a Turbo LoRA")
     p.add_argument("--json", action="store_true", help="machine-readable report")
     p.add_argument("--no-scan", action="store_true", help="skip reading the tensors' values (header-only checks)")
     p.set_defaults(func=cmd_inspect)

@@ -73,6 +73,19 @@ CORE_SPECS: dict[str, tuple[list[tuple[str, str, str]], list[tuple[str, str]], s
     "MarkdownNote": ([("text", "STRING", "widget")], [], ""),
 }
 
+#: the title ComfyUI's frontend (1.49.6) gives an untitled core node, and so the ``_meta.title`` it queues: the
+#: server's display name, or the frontend's own English name for the node where it has one (LTXVSeparateAVLatent),
+#: else the node id. tests/test_browser.py checks every workflow against the frontend's queued graph.
+CORE_TITLES: dict[str, str] = {
+    "UNETLoader": "Load Diffusion Model", "CLIPLoader": "Load CLIP", "VAELoader": "Load VAE",
+    "LoadImage": "Load Image", "MiniMaxH3ImageToVideo": "MiniMax H3 Image to Video",
+    "EmptyMiniMaxH3LatentAV": "Empty MiniMax H3 AV Latent", "MiniMaxH3SigmaShift": "ModelSamplingMiniMaxH3",
+    "BasicGuider": "Basic Guider", "RandomNoise": "RandomNoise", "SamplerCustomAdvanced": "SamplerCustomAdvanced",
+    "BasicScheduler": "BasicScheduler", "KSamplerSelect": "KSamplerSelect", "VAEDecode": "VAE Decode",
+    "VAEDecodeAudio": "VAE Decode Audio", "CreateVideo": "Create Video", "SaveVideo": "Save Video",
+    "LTXVSeparateAVLatent": "LTXVSeparateAVLatent", "SaveLatent": "Save Latent",
+}
+
 
 
 def _import_comfy() -> None:
@@ -92,6 +105,7 @@ class _Specs(Mapping):
 
     def __init__(self):
         self._pack: dict | None = None
+        self._titles: dict[str, str] = {}
 
     def pack(self) -> dict:
         if self._pack is None:
@@ -102,8 +116,18 @@ class _Specs(Mapping):
             for cls in all_nodes():
                 info = cls.GET_NODE_INFO_V1()
                 specs[info["name"]] = (*spec_from_node_info(info), "h3-turbo")
+                self._titles[info["name"]] = info.get("display_name") or info["name"]
             self._pack = specs
         return self._pack
+
+    def title(self, key: str) -> str:
+        """The display name of node type ``key`` (what the frontend titles an untitled node)."""
+        if key in CORE_TITLES:
+            return CORE_TITLES[key]
+        self.pack()
+        if key not in self._titles:
+            raise KeyError(f"no display name for node type {key!r} (add it to CORE_TITLES)")
+        return self._titles[key]
 
     def __getitem__(self, key):
         if key in CORE_SPECS:
@@ -216,13 +240,17 @@ def _check(wf: Workflow) -> None:
                 raise ValueError(f"workflow {wf.name}: node {n.id} ({n.type}) lacks required input {name!r}")
 
 
+FILE_WIDGETS = ("unet_name", "clip_name", "vae_name", "turbo")  # combos of (long) model file names
+
+
 def _default_size(n: Node) -> list[float]:
     if n.size:
         return list(n.size)
     ins, outs, _ = SPECS[n.type]
     links = sum(1 for i in ins if i[2].startswith("link"))
     widgets = sum(1 for i in ins if i[2].startswith("widget"))
-    return [320, 46 + 24 * max(links, len(outs)) + 26 * widgets]
+    width = 360 if any(i[0] in FILE_WIDGETS for i in ins) else 320
+    return [width, 46 + 24 * max(links, len(outs)) + 26 * widgets]
 
 
 def to_ui(wf: Workflow) -> dict:
@@ -278,8 +306,12 @@ def to_ui(wf: Workflow) -> dict:
         props = {"Node name for S&R": n.type}
         if cnr:
             props["cnr_id"] = cnr
+        models = _node_models(n)
+        if models:
+            props["models"] = models
         d["properties"] = props if n.type not in NOTE_TYPES else {}
-        d["widgets_values"] = wv
+        if wv:  # the frontend writes no widgets_values for a node without widgets
+            d["widgets_values"] = wv
         if n.color:
             d["color"], d["bgcolor"] = n.color, "#000"
         nodes.append(d)
@@ -292,7 +324,7 @@ def to_ui(wf: Workflow) -> dict:
         y1 = max(m.pos[1] + _default_size(m)[1] for m in ms) + 20
         groups.append({"id": gi, "title": title, "bounding": [x0, y0, x1 - x0, y1 - y0], "color": "#3f789e",
                        "font_size": 24, "flags": {}})
-    return {
+    out = {
         "id": str(uuid.uuid5(uuid.NAMESPACE_URL, f"h3-turbo/example_workflows/{wf.name}")),
         "revision": 0,
         "last_node_id": max(n.id for n in wf.nodes),
@@ -301,11 +333,39 @@ def to_ui(wf: Workflow) -> dict:
         "links": links,
         "groups": groups,
         "config": {},
-        "extra": {"ds": {"scale": 0.6, "offset": [60, 120]},
+        "extra": {"ds": _fit_view(wf, groups),
                   "h3_turbo": {"generator": "python -m h3_turbo.tools.workflows", "api_twin": f"api/{wf.name}.json",
                                "title": wf.title}},
         "version": 0.4,
     }
+    models = [m for n in nodes for m in n["properties"].get("models", [])]
+    if models:  # the graph-level list (frontend schema: name, url, directory), one entry per file
+        out["models"] = [m for k, m in enumerate(models) if m not in models[:k]]
+    return out
+
+
+def _node_models(n: Node) -> list[dict]:
+    """The ``properties.models`` entries of ``n`` (frontend convention: name, url, directory) for the file names
+    among its widget values that :data:`MODEL_SOURCES` knows."""
+    return [{"name": v, "url": MODEL_SOURCES[v][1], "directory": MODEL_SOURCES[v][0]}
+            for v in n.inputs.values() if isinstance(v, str) and v in MODEL_SOURCES]
+
+
+VIEW_W, VIEW_H = 1450, 820  # the canvas area a workflow should fit on opening (a 1600x1000 window, less the UI)
+MIN_SCALE = 0.6  # below this zoom the frontend draws nodes without their text (low-quality rendering)
+
+
+def _fit_view(wf: Workflow, groups: list[dict]) -> dict:
+    """``extra.ds`` (LiteGraph: screen = (pos + offset) * scale) that opens on the graph's top-left corner (the
+    note) at the largest zoom that fits the whole graph, but never below :data:`MIN_SCALE`."""
+    boxes = [(n.pos[0], n.pos[1] - TITLE_H, n.pos[0] + _default_size(n)[0], n.pos[1] + _default_size(n)[1])
+             for n in wf.nodes]
+    boxes += [(g["bounding"][0], g["bounding"][1], g["bounding"][0] + g["bounding"][2],
+               g["bounding"][1] + g["bounding"][3]) for g in groups]
+    x0, y0 = min(b[0] for b in boxes), min(b[1] for b in boxes)
+    x1, y1 = max(b[2] for b in boxes), max(b[3] for b in boxes)
+    scale = round(max(MIN_SCALE, min(1.0, VIEW_W / (x1 - x0), VIEW_H / (y1 - y0))), 2)
+    return {"scale": scale, "offset": [round(90 / scale - x0), round(90 / scale - y0)]}
 
 
 def to_api(wf: Workflow) -> dict:
@@ -322,15 +382,17 @@ def to_api(wf: Workflow) -> dict:
                 continue
             v = n.inputs[name]
             inputs[name] = [str(v[0]), v[1]] if _is_link(v) else v
-        out[str(n.id)] = {"class_type": n.type, "inputs": inputs, "_meta": {"title": n.title or n.type}}
+        out[str(n.id)] = {"class_type": n.type, "inputs": inputs, "_meta": {"title": n.title or SPECS.title(n.type)}}
     return out
 
 
-def ui_to_api(ui: dict, specs: dict | None = None) -> dict:
-    """Convert a UI (LiteGraph) workflow to an API prompt, reading only ``ui`` and a spec table
-    ({type: (inputs, outputs, ...)}, default :data:`SPECS`). Bypassed/muted nodes (mode != 0) and notes are
-    dropped. Raises ValueError naming the node when widgets_values does not fit the spec."""
+def ui_to_api(ui: dict, specs: dict | None = None, title=None) -> dict:
+    """Convert a UI (LiteGraph) workflow to an API prompt, reading only ``ui``, a spec table
+    ({type: (inputs, outputs, ...)}, default :data:`SPECS`) and ``title`` (type -> display name, default
+    ``SPECS.title``: the title the frontend gives an untitled node). Bypassed/muted nodes (mode != 0) and notes
+    are dropped. Raises ValueError naming the node when widgets_values does not fit the spec."""
     specs = specs or SPECS
+    title = title or SPECS.title
     links = {lk[0]: lk for lk in ui["links"]}
     out = {}
     for nd in ui["nodes"]:
@@ -359,7 +421,7 @@ def ui_to_api(ui: dict, specs: dict | None = None) -> dict:
         if k != len(wv):
             raise ValueError(f"node {nd['id']} ({nd['type']}): widgets_values has {len(wv)} values, spec uses {k}")
         out[str(nd["id"])] = {"class_type": nd["type"], "inputs": inputs,
-                              "_meta": {"title": nd.get("title") or nd["type"]}}
+                              "_meta": {"title": nd.get("title") or title(nd["type"])}}
     return dict(sorted(out.items(), key=lambda kv: int(kv[0])))
 
 
@@ -372,24 +434,39 @@ TURBO_4STEP = "minimax_h3_fl2v_turbo_4step_v1.1_768p_comfyui_bf16.safetensors"
 TURBO_8STEP = "minimax_h3_fl2v_turbo_8step_v1.0_comfyui_bf16.safetensors"
 TINY_MODEL = "h3_tiny_nvfp4.safetensors"
 TINY_TURBO_4STEP = "h3_tiny_turbo_4step_comfyui_bf16.safetensors"
+_CORE_H3 = "https://huggingface.co/Comfy-Org/MiniMax-H3/resolve/main/"
+_TURBO = "https://huggingface.co/lightx2v/Minimax-h3-Turbo/resolve/main/"
+#: where each file the real workflows need comes from: {file name: (ComfyUI models folder, public download URL)}.
+#: Core's H3 files: the Comfy-Org/MiniMax-H3 repository core's own H3 templates download them from; the Turbo
+#: LoRAs: lightx2v/Minimax-h3-Turbo (docs/h3-facts.md#turbo-lora-files). The H3 NVFP4 model has no official
+#: download (community exports only), so it has no entry: the frontend's schema needs a URL, and the notes say
+#: where the file goes.
+MODEL_SOURCES: dict[str, tuple[str, str]] = {
+    TEXT_ENCODER: ("text_encoders", _CORE_H3 + "text_encoders/" + TEXT_ENCODER),
+    VIDEO_VAE: ("vae", _CORE_H3 + "vae/" + VIDEO_VAE),
+    AUDIO_VAE: ("vae", _CORE_H3 + "vae/" + AUDIO_VAE),
+    TURBO_4STEP: ("loras", _TURBO + TURBO_4STEP),
+    TURBO_8STEP: ("loras", _TURBO + TURBO_8STEP),
+}
 PROMPT = ("A calm restaurant at dusk. The camera slowly pushes in past the tables toward the window; warm lamps, "
           "soft chatter, cutlery clinking, a quiet piano in the background.")
 
-_FILES_NOTE = """## Files: where they go (ComfyUI `models/` folder)
+_FILES_NOTE = """## Files (ComfyUI `models/` folder)
 
-| file | folder | node |
-|---|---|---|
-| `{model}` (your ComfyUI-native NVFP4 MiniMax H3 FL2VA checkpoint) | `diffusion_models/` | H3 Turbo NVFP4 Loader |
-| `{te}` | `text_encoders/` | CLIPLoader (type `minimax`) |
-| `{vvae}` | `vae/` | VAELoader (video) |
-| `{avae}` | `vae/` | VAELoader (audio) |
-{extra}
-Put the first frame in ComfyUI's `input/` folder (or upload it in the Load Image node).
+- `{model}` in `diffusion_models/`: your MiniMax H3 FL2VA checkpoint in NVFP4 (ComfyUI-native, ModelOpt or LightX2V export; there is no official NVFP4 release), or a BF16 one (quantized while loading). Pick it in the loader.
+{rows}
+ComfyUI's missing-models panel offers the downloads with a source. Put the first frame in ComfyUI's `input/` folder, or upload it in the Load Image node.
 """
 
 
-def _files_note(extra: str = "") -> str:
-    return _FILES_NOTE.format(model=NVFP4_MODEL, te=TEXT_ENCODER, vvae=VIDEO_VAE, avae=AUDIO_VAE, extra=extra)
+def _files_note(*files: str) -> str:
+    """The note's file list: the H3 model, then ``files`` (keys of :data:`MODEL_SOURCES`) with folder and source."""
+    rows = ""
+    for f in files:
+        folder, url = MODEL_SOURCES[f]
+        repo = url.split("huggingface.co/", 1)[1].split("/resolve/", 1)[0]
+        rows += f"- `{f}` in `{folder}/`, from [{repo}]({url})\n"
+    return _FILES_NOTE.format(model=NVFP4_MODEL, rows=rows)
 
 
 TITLE_H = 30   # LiteGraph draws a node's title bar above its pos
@@ -445,17 +522,22 @@ def _real_back(model_src: int, sigmas: Node, sampler: Node, seed: int, prefix: s
 
 
 def _turbo_workflow(name: str, variant: str, official: str, nfe: int, shifts: str, seed: int) -> Workflow:
-    note = (f"# FL2VA Turbo {variant} on NVFP4\n\nThe Turbo LoRA runs as an unmerged runtime branch over the packed "
-            f"NVFP4 base (`out = base(x) + strength*(alpha/rank)*B(A(x))`). **H3 Turbo Sigmas** with steps = 0 "
-            f"uses the adapter's contract: {nfe} model calls, shifts {shifts}, uniform shifted training-Euler; "
-            f"any other step count is refused with an error. **H3 Turbo Sampler** keeps separate video and audio "
-            f"states. No CFG (BasicGuider).\n\n" + _files_note(
-                f"| `{official}` (lightx2v/Minimax-h3-Turbo; alias `{variant}` in the Turbo combo) | `loras/` | "
-                f"H3 Turbo LoRA |\n"))
-    nodes = _real_front(variant) + _real_back(
+    note = (f"# MiniMax H3 image to video + audio, Turbo {variant} (NVFP4)\n\n"
+            f"A 960x544 video of 124 frames (about 5 s at 24 fps) with stereo sound, from a first frame and a prompt, "
+            f"in {nfe} model calls instead of 20.\n\n"
+            f"- **Load H3 NVFP4 Diffusion Model** loads the 33 B H3 model with 4-bit (NVFP4) weights; `compute` "
+            f"auto picks the fastest path for your GPU.\n"
+            f"- **Apply H3 Turbo LoRA** adds the official {variant} Turbo LoRA beside the weights (never merged). "
+            f"The LoRA decides the sampling: {nfe} model calls, shifts {shifts}.\n"
+            f"- **H3 Turbo Sigmas** at steps 0 takes the LoRA's {nfe}; any other step count is refused with an "
+            f"error, as is CFG: keep Basic Guider.\n"
+            f"- **H3 Turbo Sampler** is the sampler the LoRA was trained with.\n"
+            f"- First and last frame: connect a second Load Image to `last_frame` of MiniMax H3 Image to Video.\n\n"
+            + _files_note(official, TEXT_ENCODER, VIDEO_VAE, AUDIO_VAE))
+    nodes = _real_front(official) + _real_back(
         4, Node(10, "H3TurboSigmas", {"model": (4, 0), "steps": 0}, (820, 140)),
         Node(11, "H3TurboSampler", {"state_dtype": "fp32", "update": "auto"}, (820, 350)), seed, f"h3turbo/turbo_{variant}")
-    nodes.append(Node(30, "MarkdownNote", {"text": note}, (-560, 0), title="Note: files", size=(520, 560),
+    nodes.append(Node(30, "MarkdownNote", {"text": note}, (-620, 0), title="Read me", size=(580, 540),
                       color="#432"))
     _stack(nodes, [(0, 0, [2, 5, 6, 7]), (380, 0, [3, 4]), (0, ("below", [2, 3, 4, 5, 6, 7]), [1]),
                    (380, ("below", [2, 3, 4, 5, 6, 7]), [8]), (840, 0, [9, 10, 11, 12]), (1220, 0, [13]),
@@ -466,16 +548,20 @@ def _turbo_workflow(name: str, variant: str, official: str, nfe: int, shifts: st
 
 
 def _base_workflow() -> Workflow:
-    note = ("# Base beta/RES (no Turbo)\n\nThe original path, unchanged: `res_multistep` sampler with the `beta` "
-            "scheduler, 20 steps, shifts 12/3 (MiniMax H3 Sigma Shift), no CFG. Outputs are the same as core's with "
-            "the same model, so this is the reference to compare the Turbo workflows against.\n\n" + _files_note())
+    note = ("# MiniMax H3 image to video + audio, 20 steps (no Turbo)\n\n"
+            "Core's own sampling, unchanged: the `res_multistep` sampler with the `beta` scheduler, 20 steps, shifts "
+            "12/3 (ModelSamplingMiniMaxH3), no CFG, on the pack's NVFP4 loader and attention. Use it as the "
+            "reference for the Turbo workflows.\n\n"
+            "- When you compare with core's own loader, set `compute` to `exact` on the loader: `auto` may pick "
+            "the approximate `fp8` path (Ada/Hopper GPUs).\n\n"
+            + _files_note(TEXT_ENCODER, VIDEO_VAE, AUDIO_VAE))
     nodes = _real_front(None)
     nodes.append(Node(4, "MiniMaxH3SigmaShift", {"model": (3, 0), "shift_video": 12.0, "shift_audio": 3.0}, (380, 150)))
     nodes += _real_back(4, Node(10, "BasicScheduler", {"model": (4, 0), "scheduler": "beta", "steps": 20, "denoise": 1.0},
                                 (820, 140)),
                         Node(11, "KSamplerSelect", {"sampler_name": "res_multistep"}, (820, 350)), 440408,
                         "h3turbo/base_beta_res")
-    nodes.append(Node(30, "MarkdownNote", {"text": note}, (-560, 0), title="Note: files", size=(520, 520),
+    nodes.append(Node(30, "MarkdownNote", {"text": note}, (-620, 0), title="Read me", size=(580, 440),
                       color="#432"))
     _stack(nodes, [(0, 0, [2, 5, 6, 7]), (380, 0, [3, 4]), (0, ("below", [2, 3, 4, 5, 6, 7]), [1]),
                    (380, ("below", [2, 3, 4, 5, 6, 7]), [8]), (840, 0, [9, 10, 11, 12]), (1220, 0, [13]),
@@ -486,13 +572,17 @@ def _base_workflow() -> Workflow:
 
 
 def _tiny_workflow() -> Workflow:
-    note = ("# Tiny demo (runs on CPU in seconds)\n\nA tiny MiniMax H3 (same layout as the 33 B model, 50+2 blocks, "
-            "hidden 64) in NVFP4, with a tiny 4-step Turbo LoRA: the whole Turbo path (NVFP4 loader, LoRA branch, "
-            "contract sigmas, AV training-Euler sampler) without the 60 GB of real weights. No text encoder or VAE: "
-            "**H3 Turbo Test Conditioning** gives seeded random conditioning and the outputs are latents plus a "
-            "latent RGB preview.\n\n## Files\n\nCreate them with `python -m h3_turbo.tools make-fixtures <ComfyUI>/models`:\n\n"
-            f"| file | folder |\n|---|---|\n| `{TINY_MODEL}` | `diffusion_models/` |\n"
-            f"| `{TINY_TURBO_4STEP}` | `loras/` |\n| `h3_tiny_turbo_8step_comfyui_bf16.safetensors` | `loras/` |\n")
+    note = ("# Tiny demo (runs on the CPU in seconds)\n\n"
+            "The whole Turbo path (NVFP4 loader, Turbo LoRA, Turbo sigmas and sampler) on a tiny H3 with the real "
+            "layout (50 + 2 blocks, width 64) and a tiny 4-step Turbo LoRA, without the 60 GB of real files. It "
+            "has no text encoder and no VAE: **H3 Turbo Random Conditioning** stands in for the prompt, and the "
+            "outputs are the video and audio latents plus a latent preview video.\n\n"
+            "- Turbo off: set the LoRA's `turbo` to `none` **and** H3 Turbo Sigmas' `steps` above 0 (steps 0 means "
+            "the LoRA's count, and there is none).\n\n"
+            "## Files\n\nMake them with `python -m h3_turbo.tools make-fixtures <folder>`, then start ComfyUI "
+            "with that folder as a models folder (README, \"Serve the tiny demo\"):\n\n"
+            f"- `{TINY_MODEL}` in `diffusion_models/`\n- `{TINY_TURBO_4STEP}` in `loras/`\n"
+            "- `h3_tiny_turbo_8step_comfyui_bf16.safetensors` in `loras/`\n")
     nodes = [
         Node(1, "H3TurboNVFP4Loader", {"unet_name": TINY_MODEL, "compute": "auto"}, (0, 0)),
         Node(2, "H3TurboLoRA", {"model": (1, 0), "turbo": TINY_TURBO_4STEP, "strength": 1.0, "variant": "auto"},
@@ -512,7 +602,7 @@ def _tiny_workflow() -> Workflow:
              title="Save audio latent"),
         Node(13, "H3TurboSaveLatentPreview", {"av_latent": (9, 0), "filename_prefix": "h3turbo/tiny_preview"},
              (1600, 150), size=(380, 380)),
-        Node(30, "MarkdownNote", {"text": note}, (-560, 0), title="Note: files", size=(520, 480), color="#432"),
+        Node(30, "MarkdownNote", {"text": note}, (-620, 0), title="Read me", size=(580, 400), color="#432"),
     ]
     _stack(nodes, [(0, 0, [1]), (380, 0, [2, 3]), (800, 0, [4, 5, 6, 7, 8]), (1180, 0, [9]), (1600, 0, [10, 13]),
                    (2020, 0, [11, 12])])
@@ -544,7 +634,9 @@ def rendered(out_dir: Path = OUT_DIR) -> dict[Path, str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m h3_turbo.tools.workflows", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m h3_turbo.tools.workflows",
+                                description="Write the pack's example workflows (UI and API format) from one "
+                                            "description; --check compares instead.")
     p.add_argument("--check", action="store_true", help="exit 1 if a committed file differs from the generator")
     p.add_argument("--out", default=str(OUT_DIR), help="output folder (default: the pack's example_workflows/)")
     a = p.parse_args(argv)

@@ -388,7 +388,9 @@ def sample4(m, sampler, sigmas, inp):
 
     def pre(mod, args, kwargs):
         if CUDA:
-            e = torch.cuda.Event(enable_timing=True); e.record(); ev.append(e)
+            e = torch.cuda.Event(enable_timing=True)
+            e.record()
+            ev.append(e)
         else:
             ev.append(time.perf_counter())
 

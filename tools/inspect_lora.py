@@ -146,15 +146,16 @@ def inspect_turbo_lora(path: str) -> tuple[dict, list[str]]:
     sha = turbo_lora.sha256_file(path)
     rep["sha256"] = sha
     rep["artifact"] = _published(os.path.basename(path), sha, errors)
+    refused = False
     try:
         contract = turbo_lora.contract_for(path, metadata, sha)
         turbo_lora.check_contract_alpha(targets, contract, path)
     except TurboLoRAError as e:
         errors.append(str(e))
-        contract = None
-    if contract is None or contract.variant == "unknown":
+        contract, refused = None, True
+    if contract is None:
         rep["contract"] = None
-        if contract is not None:
+        if not refused:
             warnings.append("no Turbo contract: not a known artifact and no contract metadata, so H3 Turbo Sigmas "
                             "and H3 Turbo Sampler cannot enforce its step count and shifts (set the steps yourself)")
     else:

@@ -74,8 +74,40 @@ class H3Config:
         return [f"{b}.{p}" for b in self.block_prefixes() for p in PROJECTIONS]
 
 
+class FindingsMixin:
+    """Findings of a detection (``self.findings``, ``self.path``): add them, list the errors, raise them all
+    as one :class:`CheckpointError` that ends with :meth:`fix_hint`."""
+
+    findings: list
+
+    @property
+    def errors(self) -> list[Finding]:
+        return [f for f in self.findings if f.level == "error"]
+
+    def error(self, msg: str, key: str | None = None) -> None:
+        self.findings.append(Finding("error", msg, key))
+
+    def warn(self, msg: str, key: str | None = None) -> None:
+        self.findings.append(Finding("warning", msg, key))
+
+    def info(self, msg: str, key: str | None = None) -> None:
+        self.findings.append(Finding("info", msg, key))
+
+    def fix_hint(self) -> str:
+        return "Fix: re-download or re-export the file; `python -m h3_turbo.tools inspect FILE` lists every finding."
+
+    def raise_if_errors(self) -> None:
+        """Raise :class:`CheckpointError` naming the path and every error (first 12 listed)."""
+        errs = self.errors
+        if not errs:
+            return
+        lines = "; ".join(str(e) for e in errs[:12])
+        more = f" (+{len(errs) - 12} more)" if len(errs) > 12 else ""
+        raise CheckpointError(self.path, f"{len(errs)} problem(s): {lines}{more}. {self.fix_hint()}")
+
+
 @dataclass
-class Detection:
+class Detection(FindingsMixin):
     """What :func:`detect` found. ``format`` is ``scheme.name`` (comfy_native | comfy_metadata | modelopt |
     lightx2v | bf16 | fp16 | fp32 | mixed-plain, or unknown when no scheme claims the file); ``scheme`` is the
     :class:`~h3_turbo.formats.schemes.base.Scheme` object (``is_native``, ``is_plain``) and ``evidence``
@@ -109,10 +141,6 @@ class Detection:
         return self.scheme.is_native
 
     @property
-    def errors(self) -> list[Finding]:
-        return [f for f in self.findings if f.level == "error"]
-
-    @property
     def is_quantized(self) -> bool:
         return bool(self.quant_layers)
 
@@ -122,31 +150,12 @@ class Detection:
         pre_quant_scale, 19-byte comfy_quant JSON): what ``ModelPatcher.model_size()`` counts for them."""
         return sum(q.packed_bytes for q in self.quant_layers.values())
 
-    def error(self, msg: str, key: str | None = None) -> None:
-        self.findings.append(Finding("error", msg, key))
-
-    def warn(self, msg: str, key: str | None = None) -> None:
-        self.findings.append(Finding("warning", msg, key))
-
-    def info(self, msg: str, key: str | None = None) -> None:
-        self.findings.append(Finding("info", msg, key))
-
-    def raise_if_errors(self) -> None:
-        """Raise :class:`CheckpointError` naming the path and every error (first 12 listed)."""
-        errs = self.errors
-        if not errs:
-            return
-        lines = "; ".join(str(e) for e in errs[:12])
-        more = f" (+{len(errs) - 12} more)" if len(errs) > 12 else ""
-        raise CheckpointError(self.path, f"{len(errs)} problem(s): {lines}{more}. {self.fix_hint()}")
-
     def fix_hint(self) -> str:
         """What the user can do about this file's errors (one sentence)."""
         if self.model != "h3":
             return ("Fix: this loader takes MiniMax H3 checkpoints only; load other models with the loader "
                     "made for them (e.g. core's UNETLoader).")
-        return ("Fix: re-download or re-export the file; `python -m h3_turbo.tools inspect FILE` lists "
-                "every finding.")
+        return super().fix_hint()
 
     def summary(self) -> str:
         c = self.config

@@ -28,7 +28,7 @@ import torch
 from ..errors import CheckpointError
 from ..kernels import int8_block as ib
 from . import registry
-from .detect import Finding, _looks_like
+from .detect import Finding, FindingsMixin, _looks_like
 from .safetensors_io import Header, TensorInfo, TensorReader, read_header
 from .schemes.base import HeaderView
 from .schemes.diffusers_map import FP32_CORE, Mapped, family, map_key, rope_inv_freq, swap_halves
@@ -274,7 +274,7 @@ class Int8Layer:
 
 
 @dataclass
-class DMDDetection:
+class DMDDetection(FindingsMixin):
     path: str
     source: Source
     scheme: object = None
@@ -295,27 +295,8 @@ class DMDDetection:
     def format(self) -> str:
         return self.scheme.name if self.scheme is not None else "unknown"
 
-    @property
-    def errors(self) -> list[Finding]:
-        return [f for f in self.findings if f.level == "error"]
-
-    def error(self, msg: str, key: str | None = None) -> None:
-        self.findings.append(Finding("error", msg, key))
-
-    def warn(self, msg: str, key: str | None = None) -> None:
-        self.findings.append(Finding("warning", msg, key))
-
-    def info(self, msg: str, key: str | None = None) -> None:
-        self.findings.append(Finding("info", msg, key))
-
-    def raise_if_errors(self) -> None:
-        errs = self.errors
-        if not errs:
-            return
-        lines = "; ".join(str(e) for e in errs[:12])
-        more = f" (+{len(errs) - 12} more)" if len(errs) > 12 else ""
-        raise CheckpointError(self.path, f"{len(errs)} problem(s): {lines}{more}. Fix: re-download or re-export "
-                                         "the files; `python -m h3_turbo.tools inspect PATH` lists every finding.")
+    def fix_hint(self) -> str:
+        return "Fix: re-download or re-export the files; `python -m h3_turbo.tools inspect PATH` lists every finding."
 
     def core_keys(self, adaln: bool = True) -> list[str]:
         """The core keys :func:`iter_core` yields (``adaln=False``: without the DiT blocks' AdaLN weights)."""

@@ -15,7 +15,8 @@ stand-ins in their place:
 - :class:`MemoAdaLN` stands in for one ``adaln_proj``: ``rows[idx]`` viewed and chunked as core's ``AdalnProj``.
 - :func:`sample_wrapper`, a ComfyUI ``WrappersMP.OUTER_SAMPLE`` wrapper (core's KSampler, SamplerCustomAdvanced and
   the pack's sampler all run through it, with the sigmas known): before sampling it reads the cache file of
-  (model hash, compute dtype, device type, sigmas) if one exists; after, if any group was computed from the weights
+  (model hash, compute dtype, device type, sigmas) if one exists, else computes the groups it predicts from the
+  sigmas (:func:`predict_groups`) in one pass over the weights; after, if any group was computed from the weights
   during the run, it writes the groups the run used to that file in the pack's table format
   (:func:`h3_turbo.runtime.adaln.write_table`). A second run of the same schedule therefore reads the table and
   never touches the weights.
@@ -37,9 +38,9 @@ from ..errors import CheckpointError
 from ..logs import log, log_once
 from . import adaln as A
 
-#: timestep groups computed from the AdaLN weights ("groups"), groups read from a cache file ("cached"), cache
-#: files written ("written")
-WEIGHT_READS = state.Counters("adaln_weight_reads", ("groups", "cached", "written"))
+#: passes over the AdaLN weights ("passes"), timestep groups computed in them ("groups"), groups read from a
+#: cache file ("cached"), cache files written ("written")
+WEIGHT_READS = state.Counters("adaln_weight_reads", ("passes", "groups", "cached", "written"))
 #: environment variable naming the on-disk cache folder (default: ``models/h3turbo_adaln/cache``)
 CACHE_ENV = "H3_TURBO_ADALN_CACHE"
 WRAPPER_KEY = "h3_turbo_adaln_memo"
@@ -113,40 +114,54 @@ class Memo:
             self._cat = (self.rows, [torch.cat(c, 0) for c in self.blocks], torch.cat(self.final, 0))
         return self._cat[1], self._cat[2]
 
-    def compute(self, t_vals: torch.Tensor, dtype: torch.dtype):
-        """Rows of one group from core's own modules on ``t_vals.device`` (each streamed there and back)."""
-        dev = t_vals.device
+    def compute(self, groups: list[torch.Tensor], dtype: torch.dtype) -> list[tuple[list[torch.Tensor], torch.Tensor]]:
+        """Rows of each group (fp32 timesteps, all on one device) from core's own modules, one batch per group as
+        core's forward, in one pass over the weights: each module is streamed to the device once and back."""
+        dev = groups[0].device
         mods = self._mods.modules
 
-        def run(mod, x):
+        def on_device(mod, fn):
             if dev.type != "cpu":
                 mod.to(dev)
             try:
-                return torch.cat(mod(x), -1).reshape(x.shape[0], -1).cpu()
+                return fn(mod)
             finally:
                 if dev.type != "cpu":
                     mod.to("cpu")
 
+        def rows(mod, x):
+            return torch.cat(mod(x), -1).reshape(x.shape[0], -1).cpu()
+
         with torch.no_grad():
-            te = mods["te"]
-            if dev.type != "cpu":
-                te.to(dev)
-            try:
-                t_emb = te(t_vals).to(dtype)                    # core: time_embedder(t_vals).to(dtype)
-            finally:
-                if dev.type != "cpu":
-                    te.to("cpu")
-            blocks = [run(m, t_emb) for m in mods["blocks"]]
-            final = run(mods["final"], t_emb)
-        WEIGHT_READS.incr("groups")
-        return blocks, final
+            # core: t_emb = time_embedder(t_vals).to(dtype)
+            t_embs = on_device(mods["te"], lambda te: [te(t).to(dtype) for t in groups])
+            blocks = [on_device(m, lambda m: [rows(m, e) for e in t_embs]) for m in mods["blocks"]]
+            final = on_device(mods["final"], lambda m: [rows(m, e) for e in t_embs])
+        WEIGHT_READS.incr("passes")
+        WEIGHT_READS.incr("groups", len(groups))
+        return [([b[j] for b in blocks], final[j]) for j in range(len(groups))]
+
+    def prefetch(self, groups: list[tuple[float, ...]], dtype: torch.dtype, device) -> int:
+        """Compute the groups not stored yet in one pass (sampling start, groups predicted from the sigmas);
+        returns how many were computed."""
+        with self.lock:
+            keys = [A._bits(g) for g in groups]
+            todo = [(k, g) for k, g in zip(keys, groups) if k not in self.index]
+            todo = list(dict(todo).items())
+            if not todo:
+                return 0
+            out = self.compute([torch.tensor(g, dtype=torch.float32, device=device) for _, g in todo], dtype)
+            for (k, _), (b, f) in zip(todo, out):
+                self._add(k, b, f)
+            self.computed = True
+            return len(todo)
 
     def rows_for(self, t_vals: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         key = A._bits(t_vals.detach().float().cpu().tolist())
         with self.lock:
             start = self.index.get(key)
             if start is None:
-                blocks, final = self.compute(t_vals, dtype)
+                (blocks, final), = self.compute([t_vals], dtype)
                 start = self._add(key, blocks, final)
                 self.computed = True
             if key not in self.run_groups:
@@ -249,6 +264,25 @@ def cache_path(memo: Memo, sigmas: torch.Tensor, dtype: torch.dtype, device: tor
     return os.path.join(cache_dir(), memo.key, h.hexdigest()[:32] + ".safetensors")
 
 
+def predict_groups(sigmas: torch.Tensor, model_options: dict, diffusion_model) -> list[tuple[float, ...]]:
+    """The timestep groups core's forwards will use for ``sigmas`` with the run's shifts (``transformer_options``
+    ``minimax_h3_sigma_shift_video/_audio``, else the model's), without and with visual condition rows at core's
+    0.999. A prediction only: a group it misses is computed on first use, one it adds is never looked up (samplers
+    that change the shifts per call, such as H3 Turbo Sampler's audio shift, miss some)."""
+    to = model_options.get("transformer_options", {}) or {}
+    sv = float(to.get("minimax_h3_sigma_shift_video", getattr(diffusion_model, "sigma_shift_video", 12.0)))
+    sa = float(to.get("minimax_h3_sigma_shift_audio", getattr(diffusion_model, "sigma_shift_audio", 3.0)))
+    out: list[tuple[float, ...]] = []
+    for s in sigmas.detach().float().cpu().tolist():
+        if s <= 0:
+            continue
+        for c in (None, A.VISUAL_COND_T):
+            g = A.forward_timesteps(s, sv, sa, c)
+            if g not in out:
+                out.append(g)
+    return out
+
+
 def sample_wrapper(executor, noise, latent_image, sampler, sigmas, *args, **kwargs):
     """``WrappersMP.OUTER_SAMPLE``: read the cache of this schedule before sampling, write it after when the run
     computed any timestep group from the weights."""
@@ -271,6 +305,12 @@ def sample_wrapper(executor, noise, latent_image, sampler, sigmas, *args, **kwar
                         "weights", path, e)
     with memo.lock:
         memo.run_groups, memo.computed = [], False
+    # no cache for this schedule yet: compute the predicted groups in one pass (a cached schedule reads no weights)
+    n = 0 if path in memo.loaded else memo.prefetch(
+        predict_groups(sigmas, guider.model_options, mp.model.diffusion_model), dtype, device)
+    if n:
+        log_once(("adaln-prefetch", memo.key, n), "H3 Turbo AdaLN: computed %d timestep groups of this schedule in "
+                 "one pass over the AdaLN weights", n)
     out = executor(noise, latent_image, sampler, sigmas, *args, **kwargs)
     if memo.computed and memo.run_groups:
         memo.write(path, {"model_hash": memo.key, "sigmas": sigmas.detach().float().cpu().tolist(),

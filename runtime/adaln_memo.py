@@ -96,6 +96,7 @@ class Memo:
         self._cat: tuple[int, list[torch.Tensor], torch.Tensor] | None = None
         self.run_groups: list[tuple[int, ...]] = []
         self.computed = False
+        self.cached_run = False      # the current run's schedule was read from a cache file
         self.loaded: set[str] = set()
 
     def _add(self, key, blocks, final) -> int:
@@ -283,6 +284,24 @@ def predict_groups(sigmas: torch.Tensor, model_options: dict, diffusion_model) -
     return out
 
 
+#: attribute of a KSAMPLER function that predicts and prefetches its own groups (:func:`prefetch_groups`)
+PREDICTS_ATTR = "h3_turbo_prefetches_adaln"
+
+
+def prefetch_groups(model_patcher, groups: list[tuple[float, ...]]) -> int:
+    """For samplers that know their forwards' timestep groups (H3 Turbo Sampler: per-call audio shifts): compute
+    those not stored yet in one pass over the AdaLN weights, unless this run's schedule was read from the cache or
+    the model does not use ``adaln=table``. Returns how many were computed."""
+    memo = memo_of(model_patcher)
+    if memo is None or memo.cached_run:
+        return 0
+    n = memo.prefetch(groups, _compute_dtype(model_patcher.model), model_patcher.load_device)
+    if n:
+        log_once(("adaln-prefetch", memo.key, n), "H3 Turbo AdaLN: computed %d timestep groups of this schedule in "
+                 "one pass over the AdaLN weights", n)
+    return n
+
+
 def sample_wrapper(executor, noise, latent_image, sampler, sigmas, *args, **kwargs):
     """``WrappersMP.OUTER_SAMPLE``: read the cache of this schedule before sampling, write it after when the run
     computed any timestep group from the weights."""
@@ -304,10 +323,12 @@ def sample_wrapper(executor, noise, latent_image, sampler, sigmas, *args, **kwar
             log.warning("H3 Turbo AdaLN: ignoring the unreadable cache %s (%s); the rows are computed from the "
                         "weights", path, e)
     with memo.lock:
-        memo.run_groups, memo.computed = [], False
-    # no cache for this schedule yet: compute the predicted groups in one pass (a cached schedule reads no weights)
-    n = 0 if path in memo.loaded else memo.prefetch(
-        predict_groups(sigmas, guider.model_options, mp.model.diffusion_model), dtype, device)
+        memo.run_groups, memo.computed, memo.cached_run = [], False, path in memo.loaded
+    # no cache for this schedule yet: compute the predicted groups in one pass (a cached schedule reads no weights);
+    # a sampler that knows its own groups (H3 Turbo Sampler) calls prefetch_groups itself
+    n = 0
+    if not memo.cached_run and not getattr(getattr(sampler, "sampler_function", None), PREDICTS_ATTR, False):
+        n = memo.prefetch(predict_groups(sigmas, guider.model_options, mp.model.diffusion_model), dtype, device)
     if n:
         log_once(("adaln-prefetch", memo.key, n), "H3 Turbo AdaLN: computed %d timestep groups of this schedule in "
                  "one pass over the AdaLN weights", n)

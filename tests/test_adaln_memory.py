@@ -128,10 +128,7 @@ def test_table_equals_resident_bit_for_bit_and_second_run_reads_the_cache(comfy,
     first = WEIGHT_READS.counts
     assert _eq(got[0], ref[0]) and _eq(got[1], ref[1])
     assert first["groups"] >= steps and first["written"] == 1 and first["cached"] == 0   # >= one group a step
-    if kind != "turbo":     # core samplers: every group predicted from the sigmas, one pass over the weights
-        assert first["passes"] == 1
-    else:                   # H3 Turbo Sampler shifts the audio per call: its groups are computed on first use
-        assert first["passes"] >= 1
+    assert first["passes"] == 1       # every group predicted at sampling start: one pass over the weights
     new = sorted(set(_files(cache)) - before)
     assert len(new) == 1
     WEIGHT_READS.clear()

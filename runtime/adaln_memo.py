@@ -253,7 +253,9 @@ def install(model_patcher, key: str) -> int:
 
 
 def memo_of(model_patcher) -> Memo | None:
-    h = getattr(model_patcher.model.diffusion_model, "h3_turbo_adaln_memo", None)
+    """The memo of a model loaded with ``adaln=table``, else None."""
+    dm = getattr(getattr(model_patcher, "model", None), "diffusion_model", None)
+    h = getattr(dm, "h3_turbo_adaln_memo", None)
     return h.modules if h is not None else None
 
 

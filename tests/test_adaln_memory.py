@@ -193,3 +193,24 @@ def test_adaln_input_is_optional(comfy, cache):
     ref = _sample(comfy, "resident", "euler", steps=2)
     old = _sample(comfy, None, "euler", steps=2)
     assert _eq(old[0], ref[0]) and _eq(old[1], ref[1])
+
+
+def test_cached_rows_equal_core_resident_modules_per_group(comfy, fixtures_dir, cache):
+    """Every group of a written cache: its rows = core's own time_embedder + adaln_proj on the resident model,
+    one batch per group as core's forward (torch.equal), and the rows differ between groups."""
+    from h3_turbo.runtime import adaln as A
+    from h3_turbo.runtime import loading
+
+    before = set(_files(cache))
+    _sample(comfy, "table", "euler", steps=6)
+    (path,) = sorted(set(_files(cache)) - before)
+    t = A.read_table(path)
+    dm = loading.load_h3_model(fixtures_dir["bf16"], "reference", adaln="resident").model.diffusion_model
+    with torch.no_grad():
+        for g, s in zip(t.groups, t.starts):
+            tv = torch.tensor(g, dtype=torch.int32).view(torch.float32)
+            temb = dm.time_embedder(tv).to(torch.float32)
+            for i, blk in enumerate(dm.blocks):
+                assert torch.equal(torch.cat(blk.adaln_proj(temb), -1).reshape(len(g), -1), t.blocks[i][s:s + len(g)])
+            assert torch.equal(torch.cat(dm.final_layer.adaln_proj(temb), -1).reshape(len(g), -1), t.final[s:s + len(g)])
+    assert not torch.equal(t.blocks[0][t.starts[0]], t.blocks[0][t.starts[1]])

@@ -8,7 +8,7 @@ from comfy_api.latest import io
 
 from . import CATEGORY
 from ..kernels import registry
-from ..runtime.loading import load_h3_model
+from ..runtime.loading import ADALN_CHOICES, load_h3_model
 
 COMPUTE_CHOICES = registry.choices()
 
@@ -43,27 +43,33 @@ class H3TurboNVFP4Loader(io.ComfyNode):
                                tooltip="An H3 checkpoint in models/diffusion_models: NVFP4, or BF16/FP16/FP32 "
                                        "(quantized while loading). The format is read from the file, not its name."),
                 io.Combo.Input("compute", options=list(COMPUTE_CHOICES), default="auto", tooltip=_compute_tooltip()),
+                io.Combo.Input("adaln", options=list(ADALN_CHOICES), default="auto", optional=True,
+                               tooltip="Where the AdaLN weights (26 GB in an unpruned checkpoint) live. resident: on "
+                                       "the GPU (core). table: in CPU memory; their output is computed once per "
+                                       "timestep group and cached on disk per schedule (bit-identical to "
+                                       "resident). auto: resident when the model fits the free VRAM with margin, "
+                                       "else table. Pruned checkpoints are left to core."),
             ],
             outputs=[io.Model.Output()],
         )
 
     @classmethod
-    def fingerprint_inputs(cls, unet_name, compute="auto"):
+    def fingerprint_inputs(cls, unet_name, compute="auto", adaln="auto"):
         """Reload when the file changes on disk (size and mtime), not only when the name changes."""
         import folder_paths
 
         path = folder_paths.get_full_path("diffusion_models", unet_name)
         if path is None or not os.path.exists(path):
-            return (unet_name, compute)
+            return (unet_name, compute, adaln)
         st = os.stat(path)
-        return (unet_name, compute, st.st_size, st.st_mtime_ns)
+        return (unet_name, compute, adaln, st.st_size, st.st_mtime_ns)
 
     @classmethod
-    def execute(cls, unet_name, compute="auto") -> io.NodeOutput:
+    def execute(cls, unet_name, compute="auto", adaln="auto") -> io.NodeOutput:
         import folder_paths
 
         path = folder_paths.get_full_path_or_raise("diffusion_models", unet_name)
-        return io.NodeOutput(load_h3_model(path, compute))
+        return io.NodeOutput(load_h3_model(path, compute, adaln=adaln))
 
 
 NODES = [H3TurboNVFP4Loader]

@@ -64,12 +64,46 @@ def check_values(path: str, sd: dict[str, torch.Tensor], det: Detection) -> None
                     raise CheckpointError(path, f"{s} is {x}", key=f"{stem}.{s}", expected="a finite number > 0")
 
 
-def load_h3_model(path: str, compute: str = "auto", disable_dynamic: bool = False, keep_fp32_island: bool = True):
+ADALN_CHOICES = ("auto", "resident", "table")
+#: ``adaln=auto`` keeps the AdaLN weights resident when the model fits the free device memory with this margin
+ADALN_MARGIN_BYTES = 4 << 30
+ADALN_MARGIN_FRACTION = 0.10
+
+
+def resolve_adaln(requested: str, diffusion_model, device, model_bytes: int) -> tuple[str, str]:
+    """``(mode, reason)`` for the loader's ``adaln`` input: ``resident`` (core's modules on the device), ``table``
+    (:mod:`h3_turbo.runtime.adaln_memo`: the weights in CPU memory, rows per timestep group) or, for ``auto``,
+    ``resident`` on the CPU or when ``model_bytes`` + 10 % + 4 GiB fit the device's free memory, else ``table``.
+    A pruned curve-form checkpoint (``adaln_t_table``) is always ``resident`` (left to core). ValueError for an
+    unknown name."""
+    if requested not in ADALN_CHOICES:
+        raise ValueError(f"adaln={requested!r}: expected one of {', '.join(ADALN_CHOICES)}")
+    if getattr(diffusion_model, "use_adaln_curves", False):
+        return "resident", "pruned checkpoint (adaln_t_table curve form): its AdaLN is small, left to core"
+    if requested != "auto":
+        return requested, "requested"
+    if torch.device(device).type == "cpu":
+        return "resident", "CPU: the weights already live in CPU memory"
+    import comfy.model_management as mm
+
+    free = int(mm.get_free_memory(device))
+    need = int(model_bytes * (1 + ADALN_MARGIN_FRACTION)) + ADALN_MARGIN_BYTES
+    if need <= free:
+        return "resident", f"model {model_bytes / 2**30:.1f} GiB + margin fits {free / 2**30:.1f} GiB free"
+    return "table", f"model {model_bytes / 2**30:.1f} GiB + margin exceeds {free / 2**30:.1f} GiB free"
+
+
+def load_h3_model(path: str, compute: str = "auto", disable_dynamic: bool = False, keep_fp32_island: bool = True,
+                  adaln: str = "auto"):
     """Validate, convert and build an H3 MODEL (a ComfyUI ModelPatcher) from ``path``.
 
-    Raises :class:`CheckpointError` (damaged / not H3 / bad values) or NoCapablePathError (impossible
-    ``compute``) before anything is built.
+    ``adaln`` (:func:`resolve_adaln`): ``table`` keeps the AdaLN weights in CPU memory and computes their output
+    once per timestep group, cached on disk per (model, schedule) (:mod:`h3_turbo.runtime.adaln_memo`).
+    Raises :class:`CheckpointError` (damaged / not H3 / bad values), NoCapablePathError (impossible ``compute``)
+    or ValueError (unknown ``adaln``) before anything is built.
     """
+    if adaln not in ADALN_CHOICES:
+        raise ValueError(f"adaln={adaln!r}: expected one of {', '.join(ADALN_CHOICES)}")
     import comfy.model_management as mm
     import comfy.sd
     import comfy.utils
@@ -119,7 +153,16 @@ def load_h3_model(path: str, compute: str = "auto", disable_dynamic: bool = Fals
                                                   disable_dynamic=disable_dynamic or kernels)
     if mp is None:
         raise CheckpointError(path, "ComfyUI could not detect the model type of the converted state dict")
-    mp.cached_patcher_init = (_reload, (path, compute, keep_fp32_island))
+    mp.cached_patcher_init = (_reload, (path, compute, keep_fp32_island, adaln))
+    amode, areason = resolve_adaln(adaln, mp.model.diffusion_model, load_device, int(mp.model_size()))
+    adaln_off = 0
+    if amode == "table":
+        from . import adaln_memo
+
+        adaln_off = adaln_memo.install(mp, adaln_memo.model_hash(path))
+        mp.size = 0                                   # recomputed without the AdaLN modules
+    log_once(("adaln", path, adaln, amode), "H3 Turbo loader: adaln=%s -> %s (%s)%s", adaln, amode, areason,
+             f"; {adaln_off / 2**30:.2f} GiB of AdaLN weights kept in CPU memory" if adaln_off else "")
     if kernels:
         if not keep_fp32_island:
             raise RuntimeError(f"compute={cpath} needs the H3 Turbo operations (keep_fp32_island=True)")
@@ -133,13 +176,14 @@ def load_h3_model(path: str, compute: str = "auto", disable_dynamic: bool = Fals
                  "(+%.2f GiB prepared weights, +%.2f GiB work buffers on the GPU)", n, cpath, extra / 2**30,
                  work_b / 2**30)
     contracts.attach(mp, None, compute=cpath, compute_reason=reason, source_format=det.format,
-                     checkpoint=os.path.basename(path), packed_bytes=packed)
+                     checkpoint=os.path.basename(path), packed_bytes=packed, adaln=amode)
     state.record_loaded_model(path, format=det.format, compute=cpath, packed_bytes=packed,
                               bytes=int(mp.model_size()), layers_nvfp4=work,
                               kernel_extra_bytes=extra, kernel_workspace_bytes=work_b)
     return mp
 
 
-def _reload(path, compute, keep_fp32_island=True, disable_dynamic=False):
+def _reload(path, compute, keep_fp32_island=True, adaln="auto", disable_dynamic=False):
     """``cached_patcher_init`` factory (core calls it with ``disable_dynamic=True`` for delegates)."""
-    return load_h3_model(path, compute, disable_dynamic=disable_dynamic, keep_fp32_island=keep_fp32_island)
+    return load_h3_model(path, compute, disable_dynamic=disable_dynamic, keep_fp32_island=keep_fp32_island,
+                         adaln=adaln)

@@ -450,6 +450,12 @@ def sample_h3_turbo(model, x, sigmas, extra_args=None, callback=None, disable=No
             raise ValueError(f"{SAMPLER_NAME}: sigmas must lie in [0, 1] (flow matching), got {s}")
     if sv[0] == 0.0:
         return x
+    if patcher is not None:     # adaln=table: this run's AdaLN rows in one pass over the weights (docs/memory.md)
+        from ..runtime import adaln as _adaln, adaln_memo
+
+        adaln_memo.prefetch_groups(patcher, list(dict.fromkeys(
+            _adaln.forward_timesteps(sv[i], shift_v, _audio_shift_for_call(sv[i], sa[i], shift_v, shift_a), c)
+            for i in range(len(sv) - 1) if sv[i] > 0 for c in (None, _adaln.VISUAL_COND_T))))
 
     k = float(base.audio_scale())
     sdtype = torch.float32 if state_dtype == "fp32" else base.get_dtype_inference()
@@ -512,3 +518,7 @@ def sample_h3_turbo(model, x, sigmas, extra_args=None, callback=None, disable=No
     out, _ = comfy.utils.pack_latents([x_v.to(torch.float32),
                                        x_a.to(torch.float32) * carry_factor(sv[-1], sa[-1], k)])
     return out.to(x.dtype)
+
+
+#: H3 Turbo Sampler predicts its AdaLN timestep groups itself (runtime/adaln_memo.py ``prefetch_groups``)
+sample_h3_turbo.h3_turbo_prefetches_adaln = True

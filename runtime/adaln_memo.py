@@ -1,0 +1,345 @@
+"""AdaLN without resident weights, for any sampler and schedule (issue 17 item 2; docs/memory.md).
+
+H3's per-block ``adaln_proj`` output and the final layer's depend on the forward's timesteps only (core
+``comfy/ldm/minimax/model.py``: ``t_emb = time_embedder(t_vals).to(dtype)`` for the sorted distinct row timesteps,
+then ``adaln_proj(t_emb)`` per block). :func:`install` takes core's own ``time_embedder`` and every ``adaln_proj``
+module out of a built, unpruned H3 (so ComfyUI neither counts nor moves them: they stay in CPU memory) and puts
+stand-ins in their place:
+
+- :class:`MemoTimeEmbedder` keys each forward by the fp32 bits of its timestep group. A group seen before (in this
+  process, or read from the on-disk cache) is a row lookup; a new group is computed once by core's own modules:
+  each one is moved to the forward's device, run exactly as core runs it (fp32 timestep MLP, ``.to(dtype)``, then
+  ``silu`` + linear in the compute dtype) and moved back, so the rows equal what resident weights give on that
+  device, bit for bit (same modules, same arithmetic, same batch). Each such computation counts once in
+  :data:`WEIGHT_READS`.
+- :class:`MemoAdaLN` stands in for one ``adaln_proj``: ``rows[idx]`` viewed and chunked as core's ``AdalnProj``.
+- :func:`sample_wrapper`, a ComfyUI ``WrappersMP.OUTER_SAMPLE`` wrapper (core's KSampler, SamplerCustomAdvanced and
+  the pack's sampler all run through it, with the sigmas known): before sampling it reads the cache file of
+  (model hash, compute dtype, device type, sigmas) if one exists, else computes the groups it predicts from the
+  sigmas (:func:`predict_groups`) in one pass over the weights; after, if any group was computed from the weights
+  during the run, it writes the groups the run used to that file in the pack's table format
+  (:func:`h3_turbo.runtime.adaln.write_table`). A second run of the same schedule therefore reads the table and
+  never touches the weights.
+
+A timestep outside a *fixed* table (``runtime/adaln.py``: the DMD loader, ``patch``) is refused there, never
+interpolated; this module never interpolates either: an unknown group is computed from the weights.
+Pruned checkpoints (``adaln_t_table`` curve form) are left to core (:func:`install` refuses them).
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+import threading
+
+import torch
+
+from .. import state
+from ..errors import CheckpointError
+from ..logs import log, log_once
+from . import adaln as A
+
+#: passes over the AdaLN weights ("passes"), timestep groups computed in them ("groups"), groups read from a
+#: cache file ("cached"), cache files written ("written")
+WEIGHT_READS = state.Counters("adaln_weight_reads", ("passes", "groups", "cached", "written"))
+#: environment variable naming the on-disk cache folder (default: ``models/h3turbo_adaln/cache``)
+CACHE_ENV = "H3_TURBO_ADALN_CACHE"
+WRAPPER_KEY = "h3_turbo_adaln_memo"
+
+
+def cache_dir() -> str:
+    """The folder of the on-disk AdaLN caches: ``$H3_TURBO_ADALN_CACHE``, else ``<models>/h3turbo_adaln/cache``."""
+    d = os.environ.get(CACHE_ENV)
+    if d:
+        return d
+    import folder_paths
+
+    return os.path.join(folder_paths.models_dir, "h3turbo_adaln", "cache")
+
+
+def model_hash(path: str) -> str:
+    """Identity of a checkpoint for the cache: SHA-256 of its safetensors header bytes, size and mtime (reading
+    the 26 GB of AdaLN weights to hash them would defeat the cache; a changed file gets a new hash)."""
+    st = os.stat(path)
+    h = hashlib.sha256(f"{os.path.basename(path)}|{st.st_size}|{st.st_mtime_ns}|".encode())
+    with open(path, "rb") as f:
+        n = int.from_bytes(f.read(8), "little")
+        h.update(f.read(min(n, 1 << 28)))
+    return h.hexdigest()[:32]
+
+
+def adaln_bytes(diffusion_model) -> int:
+    """Bytes of the AdaLN weights (``time_embedder`` + every ``adaln_proj``) of a built H3."""
+    dm = diffusion_model
+    mods = [dm.time_embedder, dm.final_layer.adaln_proj] + [b.adaln_proj for b in dm.blocks]
+    return sum(p.nbytes for m in mods if m is not None for p in list(m.parameters()) + list(m.buffers()))
+
+
+class _Holder:
+    """Keeps modules out of the model tree (not a Module: ComfyUI does not see, count or move what it holds)."""
+
+    def __init__(self, modules):
+        self.modules = modules
+
+
+class Memo:
+    """The growing table of one model: ``groups`` (fp32 bits) -> first row; per block its row chunks. ``run_groups``:
+    the groups the current sampling run used; ``computed``: whether the run computed any from the weights."""
+
+    def __init__(self, time_embedder, blocks, final, key: str):
+        self._mods = _Holder({"te": time_embedder, "blocks": list(blocks), "final": final})
+        self.key = key
+        self.lock = threading.Lock()
+        self.index: dict[tuple[int, ...], int] = {}
+        self.rows = 0
+        self.blocks: list[list[torch.Tensor]] = [[] for _ in blocks]
+        self.final: list[torch.Tensor] = []
+        self._cat: tuple[int, list[torch.Tensor], torch.Tensor] | None = None
+        self.run_groups: list[tuple[int, ...]] = []
+        self.computed = False
+        self.cached_run = False      # the current run's schedule was read from a cache file
+        self.loaded: set[str] = set()
+
+    def _add(self, key, blocks, final) -> int:
+        start = self.rows
+        self.index[key] = start
+        for i, b in enumerate(blocks):
+            self.blocks[i].append(b)
+        self.final.append(final)
+        self.rows += len(key)
+        self._cat = None
+        return start
+
+    def tensors(self) -> tuple[list[torch.Tensor], torch.Tensor]:
+        """(per block [R, 18H], final [R, 2H]) of every stored group, concatenated once per growth."""
+        if self._cat is None or self._cat[0] != self.rows:
+            self._cat = (self.rows, [torch.cat(c, 0) for c in self.blocks], torch.cat(self.final, 0))
+        return self._cat[1], self._cat[2]
+
+    def compute(self, groups: list[torch.Tensor], dtype: torch.dtype) -> list[tuple[list[torch.Tensor], torch.Tensor]]:
+        """Rows of each group (fp32 timesteps, all on one device) from core's own modules, one batch per group as
+        core's forward, in one pass over the weights: each module is streamed to the device once and back."""
+        dev = groups[0].device
+        mods = self._mods.modules
+
+        def on_device(mod, fn):
+            if dev.type != "cpu":
+                mod.to(dev)
+            try:
+                return fn(mod)
+            finally:
+                if dev.type != "cpu":
+                    mod.to("cpu")
+
+        def rows(mod, x):
+            return torch.cat(mod(x), -1).reshape(x.shape[0], -1).cpu()
+
+        with torch.no_grad():
+            # core: t_emb = time_embedder(t_vals).to(dtype)
+            t_embs = on_device(mods["te"], lambda te: [te(t).to(dtype) for t in groups])
+            blocks = [on_device(m, lambda m: [rows(m, e) for e in t_embs]) for m in mods["blocks"]]
+            final = on_device(mods["final"], lambda m: [rows(m, e) for e in t_embs])
+        WEIGHT_READS.incr("passes")
+        WEIGHT_READS.incr("groups", len(groups))
+        return [([b[j] for b in blocks], final[j]) for j in range(len(groups))]
+
+    def prefetch(self, groups: list[tuple[float, ...]], dtype: torch.dtype, device) -> int:
+        """Compute the groups not stored yet in one pass (sampling start, groups predicted from the sigmas);
+        returns how many were computed."""
+        with self.lock:
+            keys = [A._bits(g) for g in groups]
+            todo = [(k, g) for k, g in zip(keys, groups) if k not in self.index]
+            todo = list(dict(todo).items())
+            if not todo:
+                return 0
+            out = self.compute([torch.tensor(g, dtype=torch.float32, device=device) for _, g in todo], dtype)
+            for (k, _), (b, f) in zip(todo, out):
+                self._add(k, b, f)
+            self.computed = True
+            return len(todo)
+
+    def rows_for(self, t_vals: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        key = A._bits(t_vals.detach().float().cpu().tolist())
+        with self.lock:
+            start = self.index.get(key)
+            if start is None:
+                (blocks, final), = self.compute([t_vals], dtype)
+                start = self._add(key, blocks, final)
+                self.computed = True
+            if key not in self.run_groups:
+                self.run_groups.append(key)
+        return torch.arange(start, start + len(key))
+
+    def load(self, table: A.AdaLNTable) -> int:
+        """Add the groups of a cache table not stored yet; returns how many were added."""
+        n = 0
+        with self.lock:
+            for g, s in zip(table.groups, table.starts):
+                if g in self.index:
+                    continue
+                self._add(g, [b[s:s + len(g)] for b in table.blocks], table.final[s:s + len(g)])
+                n += 1
+        return n
+
+    def write(self, path: str, meta: dict) -> None:
+        """The groups of the current run, in the pack's table format."""
+        with self.lock:
+            groups = list(self.run_groups)
+            blocks, final = self.tensors()
+            idx = torch.cat([torch.arange(self.index[g], self.index[g] + len(g)) for g in groups])
+            vals = [tuple(torch.tensor(g, dtype=torch.int32).view(torch.float32).tolist()) for g in groups]
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            A.write_table(path, [b[idx] for b in blocks], final[idx], vals, meta)
+
+
+class MemoTimeEmbedder(torch.nn.Module):
+    """Stands in for core's ``time_embedder``: the forward's rows in the memo (computed on first use), encoded as
+    [M, 2] floats exact in any float dtype. Core casts the result to its compute dtype; the memo needs that dtype to
+    compute a new group as core does, so it is read from the base model's ``get_dtype_inference`` (``dtype_of``)."""
+
+    def __init__(self, memo: Memo, dtype_of):
+        super().__init__()
+        self.memo = memo
+        self._dtype_of = dtype_of
+
+    def forward(self, t: torch.Tensor) -> torch.Tensor:
+        return A._encode(self.memo.rows_for(t, self._dtype_of()), t.device)
+
+
+class MemoAdaLN(torch.nn.Module):
+    """Stands in for one ``AdalnProj`` (block ``index``, or the final layer when ``index`` is None)."""
+
+    def __init__(self, memo: Memo, index: int | None, expand: int, modalities: int, hidden: int):
+        super().__init__()
+        self.memo, self.index = memo, index
+        self.expand, self.modalities, self.hidden = expand, modalities, hidden
+
+    def forward(self, t_emb: torch.Tensor):
+        blocks, final = self.memo.tensors()
+        rows = final if self.index is None else blocks[self.index]
+        x = rows.index_select(0, A._decode(t_emb).cpu()).to(t_emb.device)
+        x = x.view(x.shape[0] * self.modalities, self.expand * self.hidden)
+        return x.chunk(self.expand, dim=-1)
+
+
+def _compute_dtype(base_model) -> torch.dtype:
+    """The dtype core's forward computes in (``model_base``: ``get_dtype_inference``; the context is cast to it)."""
+    return base_model.get_dtype_inference()
+
+
+def install(model_patcher, key: str) -> int:
+    """Take the AdaLN modules out of the model of ``model_patcher`` (a built unpruned core H3) into CPU memory,
+    put the memo stand-ins in their place and register :func:`sample_wrapper`. ``key``: the checkpoint identity
+    (:func:`model_hash`). Returns the bytes taken off the model. CheckpointError for a pruned (curve-form) model."""
+    dm = model_patcher.model.diffusion_model
+    if getattr(dm, "use_adaln_curves", False):
+        raise CheckpointError(key, "the model is a pruned curve-form checkpoint (adaln_t_table): its AdaLN is "
+                                   "small and left to core", expected="an unpruned H3 for adaln=table")
+    n = adaln_bytes(dm)
+    te, final = dm.time_embedder, dm.final_layer.adaln_proj
+    blocks = [b.adaln_proj for b in dm.blocks]
+    for m in [te, final] + blocks:
+        m.to("cpu")
+    memo = Memo(te, blocks, final, key)
+    base = model_patcher.model
+    dm.time_embedder = MemoTimeEmbedder(memo, lambda: _compute_dtype(base))
+    for i, b in enumerate(dm.blocks):
+        b.adaln_proj = MemoAdaLN(memo, i, 6, 3, dm.hidden_size)
+    dm.final_layer.adaln_proj = MemoAdaLN(memo, None, 2, 1, dm.hidden_size)
+    dm.h3_turbo_adaln_memo = _Holder(memo)
+    import comfy.patcher_extension as pe
+
+    model_patcher.add_wrapper_with_key(pe.WrappersMP.OUTER_SAMPLE, WRAPPER_KEY, sample_wrapper)
+    return n
+
+
+def memo_of(model_patcher) -> Memo | None:
+    """The memo of a model loaded with ``adaln=table``, else None."""
+    dm = getattr(getattr(model_patcher, "model", None), "diffusion_model", None)
+    h = getattr(dm, "h3_turbo_adaln_memo", None)
+    return h.modules if h is not None else None
+
+
+def cache_path(memo: Memo, sigmas: torch.Tensor, dtype: torch.dtype, device: torch.device) -> str:
+    """``<cache_dir>/<model hash>/<schedule hash>.safetensors``; the schedule hash covers the sigmas' fp32 bits,
+    the compute dtype and the device type (rows are bit-identical per device, not across devices)."""
+    s = sigmas.detach().float().cpu().contiguous()
+    h = hashlib.sha256(f"{dtype}|{torch.device(device).type}|".encode() + s.view(torch.int32).numpy().tobytes())
+    return os.path.join(cache_dir(), memo.key, h.hexdigest()[:32] + ".safetensors")
+
+
+def predict_groups(sigmas: torch.Tensor, model_options: dict, diffusion_model) -> list[tuple[float, ...]]:
+    """The timestep groups core's forwards will use for ``sigmas`` with the run's shifts (``transformer_options``
+    ``minimax_h3_sigma_shift_video/_audio``, else the model's), without and with visual condition rows at core's
+    0.999. A prediction only: a group it misses is computed on first use, one it adds is never looked up (samplers
+    that change the shifts per call, such as H3 Turbo Sampler's audio shift, miss some)."""
+    to = model_options.get("transformer_options", {}) or {}
+    sv = float(to.get("minimax_h3_sigma_shift_video", getattr(diffusion_model, "sigma_shift_video", 12.0)))
+    sa = float(to.get("minimax_h3_sigma_shift_audio", getattr(diffusion_model, "sigma_shift_audio", 3.0)))
+    out: list[tuple[float, ...]] = []
+    for s in sigmas.detach().float().cpu().tolist():
+        if s <= 0:
+            continue
+        for c in (None, A.VISUAL_COND_T):
+            g = A.forward_timesteps(s, sv, sa, c)
+            if g not in out:
+                out.append(g)
+    return out
+
+
+#: attribute of a KSAMPLER function that predicts and prefetches its own groups (:func:`prefetch_groups`)
+PREDICTS_ATTR = "h3_turbo_prefetches_adaln"
+
+
+def prefetch_groups(model_patcher, groups: list[tuple[float, ...]]) -> int:
+    """For samplers that know their forwards' timestep groups (H3 Turbo Sampler: per-call audio shifts): compute
+    those not stored yet in one pass over the AdaLN weights, unless this run's schedule was read from the cache or
+    the model does not use ``adaln=table``. Returns how many were computed."""
+    memo = memo_of(model_patcher)
+    if memo is None or memo.cached_run:
+        return 0
+    n = memo.prefetch(groups, _compute_dtype(model_patcher.model), model_patcher.load_device)
+    if n:
+        log_once(("adaln-prefetch", memo.key, n), "H3 Turbo AdaLN: computed %d timestep groups of this schedule in "
+                 "one pass over the AdaLN weights", n)
+    return n
+
+
+def sample_wrapper(executor, noise, latent_image, sampler, sigmas, *args, **kwargs):
+    """``WrappersMP.OUTER_SAMPLE``: read the cache of this schedule before sampling, write it after when the run
+    computed any timestep group from the weights."""
+    guider = executor.class_obj
+    mp = guider.model_patcher
+    memo = memo_of(mp)
+    if memo is None:
+        return executor(noise, latent_image, sampler, sigmas, *args, **kwargs)
+    dtype, device = _compute_dtype(mp.model), mp.load_device
+    path = cache_path(memo, sigmas, dtype, device)
+    if path not in memo.loaded and os.path.isfile(path):
+        try:
+            added = memo.load(A.read_table(path))
+            WEIGHT_READS.incr("cached", added)
+            memo.loaded.add(path)
+            log_once(("adaln-cache-read", path), "H3 Turbo AdaLN: read the cached table %s (%d timestep groups)",
+                     path, added)
+        except CheckpointError as e:
+            log.warning("H3 Turbo AdaLN: ignoring the unreadable cache %s (%s); the rows are computed from the "
+                        "weights", path, e)
+    with memo.lock:
+        memo.run_groups, memo.computed, memo.cached_run = [], False, path in memo.loaded
+    # no cache for this schedule yet: compute the predicted groups in one pass (a cached schedule reads no weights);
+    # a sampler that knows its own groups (H3 Turbo Sampler) calls prefetch_groups itself
+    n = 0
+    if not memo.cached_run and not getattr(getattr(sampler, "sampler_function", None), PREDICTS_ATTR, False):
+        n = memo.prefetch(predict_groups(sigmas, guider.model_options, mp.model.diffusion_model), dtype, device)
+    if n:
+        log_once(("adaln-prefetch", memo.key, n), "H3 Turbo AdaLN: computed %d timestep groups of this schedule in "
+                 "one pass over the AdaLN weights", n)
+    out = executor(noise, latent_image, sampler, sigmas, *args, **kwargs)
+    if memo.computed and memo.run_groups:
+        memo.write(path, {"model_hash": memo.key, "sigmas": sigmas.detach().float().cpu().tolist(),
+                          "dtype": str(dtype), "device": torch.device(device).type,
+                          "computed_by": "core TimeEmbedder/AdalnProj modules (adaln=table)"})
+        memo.loaded.add(path)
+        WEIGHT_READS.incr("written")
+        log_once(("adaln-cache-write", path), "H3 Turbo AdaLN: wrote the table of this schedule to %s", path)
+    return out

@@ -149,6 +149,16 @@ class PromptFailed(RuntimeError):
 _RUNNER: ComfyRunner | None = None
 
 
+def comfyui_first_on_path(path: str | os.PathLike) -> None:
+    """Put the ComfyUI checkout ``path`` first on ``sys.path`` (moving it there if it is already on it), so that
+    core's top-level modules (``nodes``, ``comfy``, ``folder_paths``) win over same-named folders, e.g. this pack's
+    own ``nodes/`` when a test runner or PYTHONPATH put the pack's folder on the path."""
+    p = str(path)
+    while p in sys.path:
+        sys.path.remove(p)
+    sys.path.insert(0, p)
+
+
 def boot(comfyui: str | os.PathLike | None = None, *, cpu: bool = True) -> ComfyRunner:
     """Import the real ComfyUI from :func:`find_comfyui`, load its built-in nodes, register this pack's
     nodes and route, and return the process-wide :class:`ComfyRunner`.
@@ -159,8 +169,7 @@ def boot(comfyui: str | os.PathLike | None = None, *, cpu: bool = True) -> Comfy
     if _RUNNER is not None:
         return _RUNNER
     path = find_comfyui(comfyui)
-    if str(path) not in sys.path:
-        sys.path.insert(0, str(path))
+    comfyui_first_on_path(path)
     from comfy.cli_args import args
 
     if cpu:
@@ -168,6 +177,11 @@ def boot(comfyui: str | os.PathLike | None = None, *, cpu: bool = True) -> Comfy
     args.disable_all_custom_nodes = True
     import nodes
 
+    where = os.path.dirname(os.path.abspath(getattr(nodes, "__file__", "") or ""))
+    if os.path.realpath(where) != os.path.realpath(str(path)):
+        raise ComfyUINotFound(f"'import nodes' found {where!r}, not ComfyUI's nodes.py in {path}: another folder "
+                              "named 'nodes' comes first on sys.path (e.g. this pack's own nodes/ when the pack's "
+                              "folder is on PYTHONPATH); remove it from PYTHONPATH")
     asyncio.run(nodes.init_extra_nodes(init_custom_nodes=False, init_api_nodes=False))
     from .nodes import all_nodes
 

@@ -316,11 +316,9 @@ def ensure_comfy(device: str = "cpu") -> None:
     management would look for a GPU otherwise). Inside ComfyUI it changes nothing."""
     if "comfy.model_management" in sys.modules:
         return
-    from ..harness import find_comfyui
+    from ..harness import comfyui_first_on_path, find_comfyui
 
-    p = str(find_comfyui())
-    if p not in sys.path:
-        sys.path.insert(0, p)
+    comfyui_first_on_path(find_comfyui())
     from comfy.cli_args import args
 
     if torch.device(device).type == "cpu":

@@ -95,9 +95,9 @@ def _import_comfy() -> None:
         return
     except ImportError:
         pass
-    from ..harness import find_comfyui
+    from ..harness import comfyui_first_on_path, find_comfyui
 
-    sys.path.insert(0, str(find_comfyui()))
+    comfyui_first_on_path(find_comfyui())
 
 
 class _Specs(Mapping):

@@ -13,6 +13,17 @@ import sys
 from . import DEFAULT_SERVER, Client, ClientError, ExecutionFailed, PromptRejected, apply_sets, load_workflow
 
 
+def _positive(text: str) -> float:
+    """argparse type: a finite number of seconds > 0."""
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+    if not (v > 0 and v != float("inf")):
+        raise argparse.ArgumentTypeError(f"{text!r}: expected a number of seconds > 0")
+    return v
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m h3_turbo.client",
                                 description="Submit API-format workflows to ComfyUI; read /h3turbo/ready.")
@@ -24,7 +35,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--set", dest="sets", action="append", default=[], metavar="NODE_OR_TITLE.INPUT=VALUE",
                    help="override an input (node id, title or class_type; VALUE as JSON or a string); repeatable")
     s.add_argument("--out", default="h3turbo_outputs", help="folder for the downloaded outputs")
-    s.add_argument("--timeout", type=float, default=3600.0, help="seconds to wait for the run")
+    s.add_argument("--timeout", type=_positive, default=3600.0, help="seconds to wait for the run (> 0)")
     s.add_argument("--no-progress", action="store_true", help="no progress bars")
     s.add_argument("--json", action="store_true", help="print a JSON summary instead of the file list")
     r = sub.add_parser("ready", help="print GET /h3turbo/ready")

@@ -457,6 +457,9 @@ def sample_h3_turbo(model, x, sigmas, extra_args=None, callback=None, disable=No
             _adaln.forward_timesteps(sv[i], shift_v, _audio_shift_for_call(sv[i], sa[i], shift_v, shift_a), c)
             for i in range(len(sv) - 1) if sv[i] > 0 for c in (None, _adaln.VISUAL_COND_T))))
 
+    if not bool(torch.isfinite(x).all()):
+        raise ValueError(f"{SAMPLER_NAME}: the noised input latent holds NaN or Inf values ({_nonfinite(x)}); check "
+                         "the latent_image input and the nodes before it (e.g. a LatentMultiply by NaN)")
     k = float(base.audio_scale())
     sdtype = torch.float32 if state_dtype == "fp32" else base.get_dtype_inference()
     xv0, ya0 = comfy.utils.unpack_latents(x, shapes)
@@ -517,7 +520,15 @@ def sample_h3_turbo(model, x, sigmas, extra_args=None, callback=None, disable=No
         pbar.close()
     out, _ = comfy.utils.pack_latents([x_v.to(torch.float32),
                                        x_a.to(torch.float32) * carry_factor(sv[-1], sa[-1], k)])
+    if not bool(torch.isfinite(out).all()):
+        raise ValueError(f"{SAMPLER_NAME}: the sampled latent holds NaN or Inf values ({_nonfinite(out)}): the "
+                         "model produced them (a damaged model file, a LoRA, or a strength out of its range)")
     return out.to(x.dtype)
+
+
+def _nonfinite(t: torch.Tensor) -> str:
+    """'<n> of <total> values' that are NaN or Inf in ``t``."""
+    return f"{int((~torch.isfinite(t)).sum())} of {t.numel()} values"
 
 
 #: H3 Turbo Sampler predicts its AdaLN timestep groups itself (runtime/adaln_memo.py ``prefetch_groups``)

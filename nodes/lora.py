@@ -135,6 +135,8 @@ class H3TurboLoRA(io.ComfyNode):
             log.info("Apply H3 Turbo LoRA: strength %g (the %s contract assumes 1.0)", strength, contract.variant)
         clone = model.clone()
         residency.install(clone, resident, strength, alias, contract=contract)
+        if contract is None:   # for the sigma node's message
+            contracts.attach(clone, None, no_contract="variant none" if variant == "none" else "not official")
         return io.NodeOutput(clone)
 
 

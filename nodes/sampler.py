@@ -42,10 +42,16 @@ def turbo_sigmas(model, steps: int):
             raise training_euler.TurboContractError(msg)
         return schedules.shifted_grid(nfe, contract.shift_video, dtype=torch.float32)
     if steps <= 0:
-        adapter = contracts.copy_entry(getattr(model, "model_options", None) or {}).get("adapter_file")
-        why = (f"its Turbo adapter {adapter!r} carries none (not an official file: pick variant 4step or 8step on "
-               "Apply H3 Turbo LoRA to use an official contract)" if adapter else
-               "connect it through the Apply H3 Turbo LoRA node")
+        entry = contracts.copy_entry(getattr(model, "model_options", None) or {})
+        adapter = entry.get("adapter_file")
+        if adapter and entry.get("no_contract") == "variant none":
+            why = f"its Turbo adapter {adapter!r} was applied with variant none"
+        elif adapter:
+            why = (f"its Turbo adapter {adapter!r} carries none (not an official file: pick variant 4step or 8step on "
+                   "Apply H3 Turbo LoRA to use an official contract)")
+        else:
+            why = ("no Turbo LoRA is active on it: none was applied, or Apply H3 Turbo LoRA switched it off with "
+                   "turbo=none or strength 0")
         raise training_euler.TurboContractError(
             f"H3 Turbo Sigmas: steps=0 means 'the Turbo contract's NFE', but the MODEL carries no Turbo contract "
             f"({why}); or set steps > 0.")

@@ -20,6 +20,7 @@ the same weights in core naming (tests/test_dmd_comfy.py checks the samples bit 
 """
 from __future__ import annotations
 
+import logging
 import os
 
 import torch
@@ -307,6 +308,11 @@ def load_dmd_model(path: str, adaln: str = ADALN_AUTO, compute: str = "auto", di
                      dmd=True)
     state.record_loaded_model(weights, format=det.format, compute=cpath, bytes=int(mp.model_size()),
                               layers_int8=n8, adaln=("table" if table is not None else "weights"))
+    if det.naming != "diffusers" and rel.manifest is None:
+        log_once(("dmd-core-named", weights), "Load TurboH3 DMD Model: %s is a core-named H3 file with no release "
+                 "manifest: nothing in it says it is the TurboH3 DMD model, and it is sampled as one (4 updates, "
+                 "12/3, re-noise). If it is the base H3, load it with Load H3 NVFP4 Diffusion Model instead.",
+                 weights, level=logging.WARNING)
     log_once(("dmd-loaded", weights, cpath, adaln), "Load TurboH3 DMD Model: %s (%s, %s naming, Q/K/V %s) with "
              "compute=%s (%s), %d W8A8 layers, AdaLN %s", weights, det.format, det.naming, det.qkv, cpath, reason, n8,
              table.describe() if table is not None else "from the weights")

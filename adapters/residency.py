@@ -17,7 +17,9 @@ from __future__ import annotations
 
 import logging
 import os
+import dataclasses
 from collections import OrderedDict
+from types import SimpleNamespace
 from dataclasses import dataclass, field
 
 import torch
@@ -121,6 +123,7 @@ def get(path: str, dims: dict[str, tuple[int, int]] | None = None, head_dim: int
             LOAD_STATS["hits"] += 1
             if os.path.realpath(hit.path) != os.path.realpath(path):
                 log.info("Turbo LoRA %s has the same content as resident %s; reusing it", path, hit.path)
+                hit = _renamed(hit, path, sha)
             if hit.head_dim is not None and head_dim is not None and hit.head_dim != head_dim:
                 raise turbo_lora.TurboLoRAError(
                     f"Turbo LoRA {os.path.basename(path)!r} (DiffSynth-Studio layout) is resident with its qkv rows "
@@ -144,6 +147,19 @@ def get(path: str, dims: dict[str, tuple[int, int]] | None = None, head_dim: int
                  len(module.targets), res.nbytes / 2**20, res.variant,
                  res.contract.source if res.contract is not None else "none determined")
         return res
+
+
+def _renamed(hit: ResidentAdapter, path: str, sha: str) -> ResidentAdapter:
+    """The resident adapter ``hit`` as read under another file name: the same tensors, with the contract that
+    name and header give (an official name checked against the tensors' alpha/rank, as a fresh load does)."""
+    _, metadata = turbo_lora.read_header(path)
+    contract = turbo_lora.contract_for(path, metadata, sha)
+    if contract == hit.contract:
+        return hit
+    scales = {t: SimpleNamespace(scale=hit.module.get(t).coef) for t in hit.module.targets}
+    turbo_lora.check_contract_alpha(scales, contract, path)
+    hit.patcher()   # one ModelPatcher for the shared tensors
+    return dataclasses.replace(hit, path=path, contract=contract)
 
 
 def _evict(keep: str) -> None:

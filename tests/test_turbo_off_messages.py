@@ -49,3 +49,20 @@ def test_dmd_loader_warns_on_a_core_named_file_without_release(comfy, fixtures_d
         load_dmd_model(fixtures_dir["bf16"], adaln="none")
     assert any("no release manifest: nothing in it says it is the TurboH3 DMD model" in r.message
                for r in caplog.records)
+
+
+def test_resident_content_under_an_official_name_is_checked_as_that_name(comfy, fixtures_dir, tmp_path):
+    """The same bytes as a resident adapter, saved under the official 4-step file name, get the checks a fresh
+    load of that name gets (its contract's alpha/rank against the tensors), not the resident file's contract."""
+    import shutil
+
+    from h3_turbo.adapters import residency, turbo_lora
+
+    residency.clear()
+    first = residency.get(fixtures_dir["lora_8step"])
+    renamed = tmp_path / "minimax_h3_fl2v_turbo_4step_v1.1_768p_comfyui_bf16.safetensors"
+    shutil.copyfile(fixtures_dir["lora_8step"], renamed)
+    with pytest.raises(turbo_lora.TurboLoRAError, match="is recognized as minimax_h3_fl2v_turbo_4step_v1.1"):
+        residency.get(str(renamed))
+    assert residency.get(fixtures_dir["lora_8step"]) is first     # the resident entry is untouched
+    residency.clear()

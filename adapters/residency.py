@@ -154,11 +154,13 @@ def _renamed(hit: ResidentAdapter, path: str, sha: str) -> ResidentAdapter:
     name and header give (an official name checked against the tensors' alpha/rank, as a fresh load does)."""
     _, metadata = turbo_lora.read_header(path)
     contract = turbo_lora.contract_for(path, metadata, sha)
-    if contract == hit.contract:
+    def terms(c):   # what sampling and the checks depend on (not the file name it was read under)
+        return None if c is None else (c.variant, c.nfe, c.shift_video, c.shift_audio, c.alpha_over_rank, c.source)
+
+    if terms(contract) == terms(hit.contract):
         return hit
     scales = {t: SimpleNamespace(scale=hit.module.get(t).coef) for t in hit.module.targets}
     turbo_lora.check_contract_alpha(scales, contract, path)
-    hit.patcher()   # one ModelPatcher for the shared tensors
     return dataclasses.replace(hit, path=path, contract=contract)
 
 

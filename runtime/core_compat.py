@@ -19,10 +19,15 @@ FUN_CONTROL_PATCH = "MiniMaxH3FunControlPatch"  # core's class whose bound metho
 
 
 def fc2_bypass() -> str:
-    """``"int8+fp16"`` when core's ``comfy.ops`` has the fp16 fast path (``_fp16_linear_wanted``), else ``"int8"``."""
-    import comfy.ops
-
-    return "int8+fp16" if callable(getattr(comfy.ops, "_fp16_linear_wanted", None)) else "int8"
+    """``"int8+fp16"`` when core's ``comfy.ops`` has the fp16 fast path (``_fp16_linear_wanted``), else ``"int8"``
+    (also when ComfyUI is not importable: then no core forward can bypass ``fc2.forward``)."""
+    comfy_ops = sys.modules.get("comfy.ops")
+    if comfy_ops is None:
+        try:
+            import comfy.ops as comfy_ops
+        except ImportError:
+            return "int8"
+    return "int8+fp16" if callable(getattr(comfy_ops, "_fp16_linear_wanted", None)) else "int8"
 
 
 def fc2_bypass_reason(fc2) -> str | None:

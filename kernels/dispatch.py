@@ -35,7 +35,7 @@ __all__ = ["PackedNVFP4", "PreparedPacked", "PreparedExact", "PreparedFP8", "LOR
            "release_workspace"]
 
 #: how linear_with_lora computed each call, by route (diagnostics, benchmarks, tests): "fused_epilogue",
-#: "full_fold", "tiled_fold", "fp8_slot", "fp8_percall", "unfused"
+#: "full_fold", "tiled_fold", "fp8_slot", "fp8_percall", "fp8_lean_fold", "unfused"
 _ROUTES = state.Counters("lora_routes")
 LORA_ROUTES = _ROUTES.data
 
@@ -46,15 +46,16 @@ def resolve_compute(requested: str, device: torch.device) -> tuple[str, str]:
     return registry.resolve(requested, device)
 
 
-def prepare(packed: PackedNVFP4, path: str):
-    """Load-time work for ``path``; returns the object :func:`linear` takes. Raises ValueError on malformed
-    storage (naming the field) or, for the kernel paths, NaN block scales."""
+def prepare(packed: PackedNVFP4, path: str, lean: bool = False):
+    """Load-time work for ``path``; returns the object :func:`linear` takes. ``lean``: keep no per-layer copy
+    (the path derives its weight per call; same output bit for bit). Raises ValueError on malformed storage
+    (naming the field) or, for the kernel paths, NaN block scales."""
     packed.validate()
     p = registry.get(path)
     if p.weight_format != "nvfp4" and path != "reference":
         raise registry.NoCapablePathError(f"unknown path {path!r} for NVFP4 weights (it computes from "
                                           f"{p.weight_format} weights; NVFP4 paths: {', '.join(registry.paths_for())})")
-    return p.prepare(packed)
+    return p.prepare(packed, lean=lean)
 
 
 def _linear2d(x2d: torch.Tensor, prepared, path: str) -> torch.Tensor:
@@ -159,10 +160,10 @@ def lora_reference(x, packed_or_prepared, A, B, scale, qkv_blocks: int = 1, path
     return out.reshape(*x.shape[:-1], n)
 
 
-def prepared_bytes(shapes: list[tuple[int, int]], path: str) -> int:
+def prepared_bytes(shapes: list[tuple[int, int]], path: str, lean: bool = False) -> int:
     """GPU bytes :func:`prepare` adds per model for ``path`` beside the packed weights (shapes: logical
-    [N, K] of every NVFP4 layer)."""
-    return registry.get(path).prepared_bytes(shapes)
+    [N, K] of every NVFP4 layer; ``lean``: the lean weight mode)."""
+    return registry.get(path).prepared_bytes(shapes, lean=lean)
 
 
 def workspace_bytes(shapes: list[tuple[int, int]], path: str, act_bytes: int = 2) -> int:

@@ -23,8 +23,6 @@ from ..formats import nvfp4 as fmt
 
 E4M3 = torch.float8_e4m3fn
 FP8_MAX = 448.0
-#: K elements per "split group" of the prepared Triton layout (high nibbles: first 64, low: next 64).
-KGROUP = 128
 
 
 def e2m1_lut(device=None, dtype=torch.float32) -> torch.Tensor:
@@ -62,51 +60,6 @@ def dequant_fp64(qdata, block_scale, global_scale, n: int, k: int) -> torch.Tens
     return (vals.view(n, k // 16, 16) * bs.unsqueeze(-1) * global_scale.double()).view(n, k)
 
 
-# --------------------------------------------------------------------------- Triton layout
-
-def split_pack(qdata: torch.Tensor, n: int, k: int) -> tuple[torch.Tensor, int]:
-    """Repack ComfyUI qdata into the "split-halves" layout of the Triton kernels (load-time work).
-
-    Returns (qs uint8 [n, kp/2], kp) with kp = roundup(k, 128) (zero codes in the padding). For group g
-    (K elements 128g .. 128g+127), byte 64g+j holds element 128g+j in the HIGH nibble and element
-    128g+64+j in the LOW nibble, so the kernel needs no nibble interleaving.
-    """
-    kp = fmt.roundup(k, KGROUP)
-    codes = fmt.unpack_nibbles(qdata[:n], hi_first=True)[:, :k]
-    if kp != k:
-        codes = torch.nn.functional.pad(codes, (0, kp - k))
-    c = codes.view(n, kp // KGROUP, 2, KGROUP // 2)
-    qs = (c[:, :, 0, :] << 4) | c[:, :, 1, :]
-    return qs.reshape(n, kp // 2).contiguous(), kp
-
-
-def split_unpack_codes(qs: torch.Tensor, n: int, k: int) -> torch.Tensor:
-    """Inverse of :func:`split_pack`: codes uint8 [n, k]."""
-    kp = qs.shape[1] * 2
-    b = qs.view(n, kp // KGROUP, KGROUP // 2)
-    c = torch.stack([b >> 4, b & 15], dim=2).reshape(n, kp)
-    return c[:, :k]
-
-
-def plain_scales(block_scale: torch.Tensor, qdata: torch.Tensor, n: int, k: int) -> torch.Tensor:
-    """Unswizzled scale bytes padded to the split layout: uint8 [n, roundup(k,128)/16] (pad = 0)."""
-    kp = fmt.roundup(k, KGROUP)
-    s = unswizzle_scales(block_scale, qdata.shape[0], qdata.shape[1] * 2)[:n, : k // 16]
-    if s.shape[1] != kp // 16:
-        s = torch.nn.functional.pad(s, (0, kp // 16 - s.shape[1]))
-    return s.contiguous()
-
-
-def dequant_split(qs: torch.Tensor, scales_u8: torch.Tensor, global_scale: torch.Tensor, n: int, k: int,
-                  out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
-    """Torch dequant from the prepared split layout; bit-identical to :func:`dequant_exact`."""
-    codes = split_unpack_codes(qs, n, k)
-    vals = e2m1_lut(qs.device)[codes.long()]
-    bs = scales_u8[:, : k // 16].view(E4M3).float()
-    w = (vals.view(n, k // 16, 16) * bs.unsqueeze(-1)) * global_scale.float().reshape(())
-    return w.view(n, k).to(out_dtype)
-
-
 # --------------------------------------------------------------------------- FP8 (W8A8) math
 
 def fp8_rowwise_from_weight(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -114,11 +67,17 @@ def fp8_rowwise_from_weight(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
 
     sw = amax(|row|) / 448 (rows of zeros: sw = 1/448); w8 = e4m3(w * (448 / amax)), round to nearest even.
     """
-    amax = w.abs().amax(dim=1).float()
-    amax = torch.where(amax > 0, amax, torch.ones_like(amax))
-    inv = FP8_MAX / amax
+    amax, inv, sw = fp8_row_factors(w)
     w8 = (w.float() * inv[:, None]).clamp(-FP8_MAX, FP8_MAX).to(E4M3)
-    return w8, amax / FP8_MAX
+    return w8, sw
+
+
+def fp8_row_factors(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The per-row factors of :func:`fp8_rowwise_from_weight` for an fp32 weight [n, k]: (amax fp32 [n], the
+    max |row| itself; inv = 448 / amax' fp32 [n]; sw = amax' / 448 fp32 [n]) with amax' = amax, or 1 for a zero row."""
+    amax = w.abs().amax(dim=1).float()
+    a = torch.where(amax > 0, amax, torch.ones_like(amax))
+    return amax, FP8_MAX / a, a / FP8_MAX
 
 
 def quantize_rows_fp8(x2d: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,13 +1,13 @@
 """Triton kernels for NVFP4 weights on GPUs without FP4 tensor cores (Hopper, Ada, Ampere).
 
-- :func:`gemm_exact`: fused dequant-GEMM (W4A16). Reads the split-packed E2M1 codes, the plain e4m3
-  block-scale bytes and the fp32 global scale, dequantizes each [BN, 128] weight tile in registers to
+- :func:`gemm_exact`: fused dequant-GEMM (W4A16). Reads ComfyUI's native NVFP4 storage as it is (packed E2M1
+  codes, swizzled e4m3 block scales, fp32 global scale), dequantizes each [BN, 128] weight tile in registers to
   the activation dtype with the reference formula ``(E2M1[q] * bs) * gs`` (fp32, see
   :mod:`.nvfp4_ref`), and feeds a bf16/fp16 tensor-core ``tl.dot`` with fp32 accumulation. The full
   dequantized weight never exists in memory. Optional fused LoRA epilogue
   ``acc += lora_scale * h[:, blk*r:(blk+1)*r] @ Bc[n, :r]^T`` (block-diagonal qkv: ``blk = n // NB``).
-- :func:`dequant`: the same dequantization written to a [rows, K] tensor (for the tiled cuBLAS path
-  and the FP8 re-expression at load time).
+- :func:`fold_weight`: the same dequantization written to a [rows, K] tensor (bf16/fp16/fp32, or e4m3 with one
+  scale per row), optionally with a LoRA folded in: the "full" and tiled cuBLAS paths and the fp8 weight.
 - :func:`quant_rows_fp8`: per-row FP8 e4m3 activation quantization (amax/448 scales).
 
 The E2M1 decode puts the code's bits into an fp16 (``(c & 8) << 12 | (c & 7) << 9`` = E2M1 * 2^-14,
@@ -74,12 +74,15 @@ def _mma(a, b, acc, INTERP: tl.constexpr):
 
 @triton.jit
 def _nvfp4_gemm_kernel(x_ptr, q_ptr, s_ptr, gs_ptr, out_ptr, h_ptr, b_ptr, lora_scale,
-                       M, N, K, NKB, stride_xm, stride_om, stride_hm, R, NB,
+                       M, N, K, NKB, stride_xm, stride_om, stride_hm, stride_q, NCB4, R, NB,
                        M_BUCKET, INTERP: tl.constexpr,
                        HAS_LORA: tl.constexpr, BR: tl.constexpr, EVEN_K: tl.constexpr,
                        BM: tl.constexpr, BN: tl.constexpr, GROUP_M: tl.constexpr, SWAP: tl.constexpr):
     """SWAP=False: acc[BM, BN] = x @ W^T (W through shared memory). SWAP=True: acc[BN, BM] = W @ x^T,
-    the dequantized W is the register (A) operand of the tensor-core MMA (no shared-memory round trip)."""
+    the dequantized W is the register (A) operand of the tensor-core MMA (no shared-memory round trip).
+    W is read from ComfyUI's NATIVE storage: qdata byte j of a row holds elements 2j (high nibble) and 2j+1;
+    block scales in the cuBLAS to_blocked layout (NCB4 = its column count / 4). Each 128-column block is two
+    64-column MMA operands (elements 0..63, then 64..127)."""
     pid = tl.program_id(0)
     num_pid_m = tl.cdiv(M, BM)
     num_pid_n = tl.cdiv(N, BN)
@@ -96,9 +99,12 @@ def _nvfp4_gemm_kernel(x_ptr, q_ptr, s_ptr, gs_ptr, out_ptr, h_ptr, b_ptr, lora_
     rn = offs_n % N
     ak = tl.arange(0, 64)
     g4 = tl.arange(0, 4)
-    j16 = tl.arange(0, 16)
-    q_ptrs = q_ptr + rn[:, None, None] * (NKB * 64) + g4[None, :, None] * 16 + j16[None, None, :]
-    s_ptrs = s_ptr + rn[:, None] * (NKB * 8) + g4[None, :]
+    j8 = tl.arange(0, 8)
+    # bytes [BN, 4 scale groups, 8 bytes] of one 64-column half: byte j of group g = elements 16g+2j, 16g+2j+1
+    q_ptrs = q_ptr + rn[:, None, None] * stride_q + g4[None, :, None] * 8 + j8[None, None, :]
+    # swizzled scale offset of (row n, column c): tile (n//128, c//4), inside: (n%32)*16 + ((n%128)//32)*4 + c%4;
+    # the 4 scale columns of half h of block kb are the tile column 2*kb + h, entries 0..3
+    s_ptrs = s_ptr + ((rn // 128) * (NCB4 * 512) + (rn % 32) * 16 + ((rn % 128) // 32) * 4)[:, None] + g4[None, :]
     x_ptrs = x_ptr + rm[:, None] * stride_xm + ak[None, :]
     gs = tl.load(gs_ptr)
     if SWAP:
@@ -106,28 +112,36 @@ def _nvfp4_gemm_kernel(x_ptr, q_ptr, s_ptr, gs_ptr, out_ptr, h_ptr, b_ptr, lora_
     else:
         acc = tl.zeros((BM, BN), dtype=tl.float32)
     for kb in range(0, NKB):
-        p = tl.load(q_ptrs).to(tl.int32)
-        s_hi = _e4m3_x2p14(tl.load(s_ptrs).to(tl.int32))
-        s_lo = _e4m3_x2p14(tl.load(s_ptrs + 4).to(tl.int32))
+        k0 = kb * 128
         if EVEN_K:
+            pa = tl.load(q_ptrs).to(tl.int32)
+            pb = tl.load(q_ptrs + 32).to(tl.int32)
+            sa = _e4m3_x2p14(tl.load(s_ptrs).to(tl.int32))
+            sb = _e4m3_x2p14(tl.load(s_ptrs + 512).to(tl.int32))
             xa = tl.load(x_ptrs)
             xb = tl.load(x_ptrs + 64)
         else:
-            k0 = kb * 128
+            # K % 16 == 0: a scale group of 16 columns is all in or all out
+            ma = (k0 + g4 * 16) < K
+            mb = (k0 + 64 + g4 * 16) < K
+            pa = tl.load(q_ptrs, mask=ma[None, :, None], other=0).to(tl.int32)
+            pb = tl.load(q_ptrs + 32, mask=mb[None, :, None], other=0).to(tl.int32)
+            sa = _e4m3_x2p14(tl.load(s_ptrs, mask=ma[None, :], other=0).to(tl.int32))
+            sb = _e4m3_x2p14(tl.load(s_ptrs + 512, mask=mb[None, :], other=0).to(tl.int32))
             xa = tl.load(x_ptrs, mask=(k0 + ak)[None, :] < K, other=0.0)
             xb = tl.load(x_ptrs + 64, mask=(k0 + 64 + ak)[None, :] < K, other=0.0)
-        w_hi = (_e2m1_x2m14(p >> 4) * s_hi[:, :, None]) * gs
-        w_lo = (_e2m1_x2m14(p & 15) * s_lo[:, :, None]) * gs
-        w_hi = tl.reshape(_cast(w_hi, x_ptr.dtype.element_ty, INTERP), (BN, 64))
-        w_lo = tl.reshape(_cast(w_lo, x_ptr.dtype.element_ty, INTERP), (BN, 64))
+        wa = tl.join((_e2m1_x2m14(pa >> 4) * sa[:, :, None]) * gs, (_e2m1_x2m14(pa & 15) * sa[:, :, None]) * gs)
+        wb = tl.join((_e2m1_x2m14(pb >> 4) * sb[:, :, None]) * gs, (_e2m1_x2m14(pb & 15) * sb[:, :, None]) * gs)
+        w_a = tl.reshape(_cast(wa, x_ptr.dtype.element_ty, INTERP), (BN, 64))
+        w_b = tl.reshape(_cast(wb, x_ptr.dtype.element_ty, INTERP), (BN, 64))
         if SWAP:
-            acc = _mma(w_hi, tl.trans(xa), acc, INTERP)
-            acc = _mma(w_lo, tl.trans(xb), acc, INTERP)
+            acc = _mma(w_a, tl.trans(xa), acc, INTERP)
+            acc = _mma(w_b, tl.trans(xb), acc, INTERP)
         else:
-            acc = _mma(xa, tl.trans(w_hi), acc, INTERP)
-            acc = _mma(xb, tl.trans(w_lo), acc, INTERP)
+            acc = _mma(xa, tl.trans(w_a), acc, INTERP)
+            acc = _mma(xb, tl.trans(w_b), acc, INTERP)
         q_ptrs += 64
-        s_ptrs += 8
+        s_ptrs += 1024
         x_ptrs += 128
     if HAS_LORA:
         blk = (pid_n * BN) // NB
@@ -207,22 +221,27 @@ def m_bucket(m: int) -> int:
     return b
 
 
-def gemm_exact(x2d: torch.Tensor, qs: torch.Tensor, scales: torch.Tensor, gs: torch.Tensor,
+def gemm_exact(x2d: torch.Tensor, qdata: torch.Tensor, block_scale: torch.Tensor, gs: torch.Tensor,
                n: int, k: int, lora: tuple | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
     """Fused W4A16 GEMM: x2d [M, K] (bf16/fp16, row stride any, unit column stride) -> [M, N] x.dtype.
 
-    qs uint8 [N, Kp/2] split-packed, scales uint8 [N, Kp/16], gs fp32 [1]. ``lora``: optional
+    The weight in ComfyUI's native NVFP4 storage, read as it is (no load-time copy): qdata uint8 [>=N, Kp/2]
+    (element 2j in the high nibble, unit column stride), block_scale e4m3/uint8 contiguous in the cuBLAS
+    to_blocked layout [roundup(Np,128), roundup(Kp/16,4)], gs fp32 [1]. ``lora``: optional
     (h [M, blocks*r] x.dtype, Bc [N, r] x.dtype contiguous, scale float, NB rows per block).
+    Raises ValueError for storage that does not hold an [n, k] weight or offsets past 32 bits.
     """
     m = x2d.shape[0]
     if x2d.stride(1) != 1:
         x2d = x2d.contiguous()
-    nkb = qs.shape[1] // 64
+    check_native(qdata, block_scale, n, k, "gemm_exact")
+    bsu = block_scale.view(torch.uint8) if block_scale.dtype != torch.uint8 else block_scale
+    nkb = triton.cdiv(k, 128)
     if out is None:
         out = torch.empty((m, n), device=x2d.device, dtype=x2d.dtype)
     if m == 0:
         return out
-    if max(m * x2d.stride(0), m * out.stride(0), qs.numel()) >= 2 ** 31:
+    if max(m * x2d.stride(0), m * out.stride(0), qdata.numel(), bsu.numel()) >= 2 ** 31:
         raise ValueError(f"gemm_exact: 32-bit offsets overflow for M={m}, N={n}, K={k}; split the rows")
     if lora is not None:
         h, bc, lscale, nb = lora
@@ -236,11 +255,11 @@ def gemm_exact(x2d: torch.Tensor, qs: torch.Tensor, scales: torch.Tensor, gs: to
         args = (h, bc, float(lscale))
         has_lora, br, stride_h = True, max(16, min(64, triton.next_power_of_2(r))), h.stride(0)
     else:
-        args = (x2d, qs, 0.0)
+        args = (x2d, qdata, 0.0)
         has_lora, br, stride_h, r, nb = False, 16, 0, 1, n
     grid = lambda meta: (triton.cdiv(m, meta["BM"]) * triton.cdiv(n, meta["BN"]),)  # noqa: E731
-    common = (x2d, qs, scales, gs, out, *args, m, n, k, nkb, x2d.stride(0), out.stride(0), stride_h, r, nb,
-              m_bucket(m), INTERPRET)
+    common = (x2d, qdata, bsu, gs, out, *args, m, n, k, nkb, x2d.stride(0), out.stride(0), stride_h,
+              qdata.stride(0), bsu.shape[1] // 4, r, nb, m_bucket(m), INTERPRET)
     if SETTINGS.forced_config is not None:
         c = dict(SETTINGS.forced_config)
         c.setdefault("SWAP", False)
@@ -258,39 +277,23 @@ def gemm_exact(x2d: torch.Tensor, qs: torch.Tensor, scales: torch.Tensor, gs: to
     return out
 
 
-@triton.jit
-def _dequant_kernel(q_ptr, s_ptr, gs_ptr, out_ptr, N, K, NKB, stride_on, BN: tl.constexpr,
-                    INTERP: tl.constexpr):
-    pid_n = tl.program_id(0)
-    kb = tl.program_id(1)
-    offs_n = pid_n * BN + tl.arange(0, BN)
-    g4 = tl.arange(0, 4)
-    j16 = tl.arange(0, 16)
-    nmask = offs_n < N
-    p = tl.load(q_ptr + offs_n[:, None, None] * (NKB * 64) + kb * 64 + g4[None, :, None] * 16
-                + j16[None, None, :], mask=nmask[:, None, None], other=0).to(tl.int32)
-    sp = s_ptr + offs_n[:, None] * (NKB * 8) + kb * 8 + g4[None, :]
-    s_hi = _e4m3_x2p14(tl.load(sp, mask=nmask[:, None], other=0).to(tl.int32))
-    s_lo = _e4m3_x2p14(tl.load(sp + 4, mask=nmask[:, None], other=0).to(tl.int32))
-    gs = tl.load(gs_ptr)
-    w_hi = (_e2m1_x2m14(p >> 4) * s_hi[:, :, None]) * gs
-    w_lo = (_e2m1_x2m14(p & 15) * s_lo[:, :, None]) * gs
-    kk = kb * 128 + g4[None, :, None] * 16 + j16[None, None, :]
-    o = out_ptr + offs_n[:, None, None] * stride_on + kk
-    tl.store(o, _cast(w_hi, out_ptr.dtype.element_ty, INTERP), mask=nmask[:, None, None] & (kk < K))
-    tl.store(o + 64, _cast(w_lo, out_ptr.dtype.element_ty, INTERP), mask=nmask[:, None, None] & (kk + 64 < K))
-
-
-def dequant(qs: torch.Tensor, scales: torch.Tensor, gs: torch.Tensor, n: int, k: int,
-            out_dtype: torch.dtype = torch.bfloat16, out: torch.Tensor | None = None) -> torch.Tensor:
-    """Dequantize the split layout (rows 0..n-1 of qs/scales) to ``out`` [n, k] (row stride any)."""
-    if out is None:
-        out = torch.empty((n, k), device=qs.device, dtype=out_dtype)
-    nkb = qs.shape[1] // 64
-    bn = 16 if INTERPRET else 32
-    _dequant_kernel[(triton.cdiv(n, bn), nkb)](qs, scales, gs, out, n, k, nkb, out.stride(0), BN=bn, INTERP=INTERPRET,
-                                              num_warps=4)
-    return out
+def check_native(qdata: torch.Tensor, block_scale: torch.Tensor, n: int, k: int, who: str) -> None:
+    """ValueError unless (qdata, block_scale) are ComfyUI-native storage that holds an [n, k] weight."""
+    if n < 1 or k < 16 or k % 16:
+        raise ValueError(f"{who}: need n >= 1 and k a positive multiple of 16, got n={n}, k={k}")
+    if qdata.dtype != torch.uint8 or qdata.dim() != 2 or qdata.shape[0] < n or qdata.shape[1] * 2 < k:
+        raise ValueError(f"{who}: qdata {qdata.dtype} {tuple(qdata.shape)} does not hold a [{n}, {k}] NVFP4 "
+                         f"weight (expected uint8 [>={n}, >={k // 2}])")
+    if block_scale.dtype not in (torch.float8_e4m3fn, torch.uint8) or block_scale.dim() != 2:
+        raise ValueError(f"{who}: block_scale must be a 2-D e4m3/uint8 tensor, got {block_scale.dtype} "
+                         f"{tuple(block_scale.shape)}")
+    want_cols = -(-(qdata.shape[1] * 2 // 16) // 4) * 4
+    if block_scale.shape[1] != want_cols or block_scale.shape[0] % 128 or block_scale.shape[0] < -(-n // 128) * 128:
+        raise ValueError(f"{who}: block_scale {tuple(block_scale.shape)} is not the swizzled layout of these "
+                         f"codes (expected [>= {-(-n // 128) * 128} rows, multiple of 128, {want_cols} columns])")
+    if qdata.stride(1) != 1 or not block_scale.is_contiguous():
+        raise ValueError(f"{who}: qdata needs unit column stride and block_scale must be contiguous "
+                         "(the swizzled offsets assume ComfyUI's storage)")
 
 
 @triton.jit
@@ -330,20 +333,22 @@ def quant_rows_fp8(x2d: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 # --------------------------------------------------------------------------- weight-side fold
 
 @triton.jit
-def _fold_kernel(q_ptr, s_ptr, gs_ptr, a_ptr, b_ptr, lora_scale, amaxw_ptr, amaxa_ptr, so_ptr, out_ptr,
-                 N, K, stride_q, NCB4, stride_a, stride_o, R, NB,
-                 HAS_LORA: tl.constexpr, FP8_OUT: tl.constexpr, BR: tl.constexpr,
+def _fold_kernel(q_ptr, s_ptr, gs_ptr, a_ptr, b_ptr, lora_scale, amaxw_ptr, amaxa_ptr, so_ptr, inv_ptr, out_ptr,
+                 N, K, ROW0, stride_q, NCB4, stride_a, stride_o, R, NB,
+                 HAS_LORA: tl.constexpr, FP8_OUT: tl.constexpr, INV_GIVEN: tl.constexpr, BR: tl.constexpr,
                  BN: tl.constexpr, KB_PER: tl.constexpr, INTERP: tl.constexpr):
     """One [BN, KB_PER*128] tile of W' = dequant(W) (+ lora_scale * Bc[n] @ A[blk]) from the NATIVE
     ComfyUI storage (qdata element 2j in the high nibble; block scales in the cuBLAS to_blocked layout,
     NCB4 = its column count / 4), rounded once to out's dtype (bf16/fp16) or, FP8_OUT, quantized per row
     as e4m3(clamp(W' * 448 / bound[n], +-448)) with bound[n] = amax_w[n] + |lora_scale| *
-    sum_r |Bc[n, r]| * amax_a[blk*R + r] >= max_k |W'[n, k]| (written to so_ptr as bound/448)."""
+    sum_r |Bc[n, r]| * amax_a[blk*R + r] >= max_k |W'[n, k]| (written to so_ptr as bound/448); INV_GIVEN: the
+    factor 448/bound is read from inv_ptr instead (the resident fp8 weight's own, no LoRA). Rows ROW0..ROW0+N-1 of
+    the storage go to rows 0..N-1 of out (and so_ptr)."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_n = pid_n * BN + tl.arange(0, BN)
     nmask = offs_n < N
-    rn = offs_n % N
+    rn = ROW0 + offs_n % N
     g8 = tl.arange(0, 8)
     j8 = tl.arange(0, 8)
     c128 = tl.arange(0, 128)
@@ -351,18 +356,21 @@ def _fold_kernel(q_ptr, s_ptr, gs_ptr, a_ptr, b_ptr, lora_scale, amaxw_ptr, amax
     # swizzled scale offset of (row n, scale column c): tile (n//128, c//4), inside: (n%32)*16 + ((n%128)//32)*4 + c%4
     srow = (rn // 128) * (NCB4 * 512) + (rn % 32) * 16 + ((rn % 128) // 32) * 4
     if HAS_LORA:
-        blk = (pid_n * BN) // NB
+        blk = (ROW0 + pid_n * BN) // NB
         ar = tl.arange(0, BR)
         bt = tl.load(b_ptr + rn[:, None] * R + ar[None, :], mask=ar[None, :] < R, other=0.0)
     if FP8_OUT:
-        bound = tl.load(amaxw_ptr + rn)
-        if HAS_LORA:
-            am = tl.load(amaxa_ptr + blk * R + ar, mask=ar < R, other=0.0)
-            bound = bound + tl.abs(lora_scale) * tl.sum(tl.abs(bt.to(tl.float32)) * am[None, :], axis=1)
-        bound = tl.where(bound > 0, bound, 1.0)
-        inv = 448.0 / bound
-        if pid_k == 0:
-            tl.store(so_ptr + offs_n, bound / 448.0, mask=nmask)
+        if INV_GIVEN:
+            inv = tl.load(inv_ptr + rn)
+        else:
+            bound = tl.load(amaxw_ptr + rn)
+            if HAS_LORA:
+                am = tl.load(amaxa_ptr + blk * R + ar, mask=ar < R, other=0.0)
+                bound = bound + tl.abs(lora_scale) * tl.sum(tl.abs(bt.to(tl.float32)) * am[None, :], axis=1)
+            bound = tl.where(bound > 0, bound, 1.0)
+            inv = 448.0 / bound
+            if pid_k == 0:
+                tl.store(so_ptr + offs_n, bound / 448.0, mask=nmask)
     for kk in range(0, KB_PER):
         kb = pid_k * KB_PER + kk
         k0 = kb * 128
@@ -409,7 +417,8 @@ def fold_bn(nb: int | None) -> int | None:
 
 def fold_weight(qdata: torch.Tensor, block_scale: torch.Tensor, gs: torch.Tensor, n: int, k: int,
                 out: torch.Tensor, lora: tuple | None = None, amax_w: torch.Tensor | None = None,
-                scale_out: torch.Tensor | None = None) -> torch.Tensor:
+                scale_out: torch.Tensor | None = None, row0: int = 0,
+                inv_w: torch.Tensor | None = None) -> torch.Tensor:
     """Materialize a layer weight from its native NVFP4 storage, optionally with a LoRA folded in
     (the weight-side form of the Turbo branch: one pass over the packed weight per call instead of two
     passes over the activations and the output).
@@ -422,25 +431,17 @@ def fold_weight(qdata: torch.Tensor, block_scale: torch.Tensor, gs: torch.Tensor
     or float8_e4m3fn: needs ``amax_w`` fp32 [n] (max |W| per row) and ``scale_out`` fp32 [>=n]; row n is
     e4m3(clamp(W'[n] * 448 / bound[n], -448, 448)) with the upper bound bound[n] = amax_w[n] +
     |scale| * sum_r |Bc[n, r]| * amax_a[r] of max |W'[n]| (no clipping), and scale_out[n] = bound[n] / 448.
-    Rows >= n of ``out`` are not written. Raises ValueError for a bad ``out`` or an NB no row tile divides.
+    ``inv_w`` fp32 [n] (no lora, e4m3 out): use these factors instead of 448 / amax_w (the resident fp8 weight's
+    own ``448 / amax``, so the e4m3 bytes equal :func:`nvfp4_ref.fp8_rowwise_from_weight`'s bit for bit);
+    ``scale_out`` is then not written. ``row0``: produce rows row0..row0+n-1 of the weight into rows 0..n-1 of
+    ``out`` (no lora). Rows >= n of ``out`` are not written. Raises ValueError for a bad ``out``, an NB no row
+    tile divides, or ``row0``/``inv_w`` with a lora.
     """
-    if n < 1 or k < 16 or k % 16:
-        raise ValueError(f"fold_weight: need n >= 1 and k a positive multiple of 16, got n={n}, k={k}")
-    if qdata.dtype != torch.uint8 or qdata.dim() != 2 or qdata.shape[0] < n or qdata.shape[1] * 2 < k:
-        raise ValueError(f"fold_weight: qdata {qdata.dtype} {tuple(qdata.shape)} does not hold a [{n}, {k}] NVFP4 "
-                         f"weight (expected uint8 [>={n}, >={k // 2}])")
-    if block_scale.dtype not in (torch.float8_e4m3fn, torch.uint8) or block_scale.dim() != 2:
-        raise ValueError(f"fold_weight: block_scale must be a 2-D e4m3/uint8 tensor, got {block_scale.dtype} "
-                         f"{tuple(block_scale.shape)}")
-    want_cols = -(-(qdata.shape[1] * 2 // 16) // 4) * 4
-    if block_scale.shape[1] != want_cols or block_scale.shape[0] % 128 or block_scale.shape[0] < -(-n // 128) * 128:
-        raise ValueError(f"fold_weight: block_scale {tuple(block_scale.shape)} is not the swizzled layout of these "
-                         f"codes (expected [>= {-(-n // 128) * 128} rows, multiple of 128, {want_cols} columns])")
-    if qdata.stride(1) != 1 or not block_scale.is_contiguous():
-        raise ValueError("fold_weight: qdata needs unit column stride and block_scale must be contiguous "
-                         "(the swizzled offsets assume ComfyUI's storage)")
+    if row0 < 0 or (row0 and lora is not None) or (inv_w is not None and lora is not None):
+        raise ValueError(f"fold_weight: row0={row0} / inv_w need row0 >= 0 and no lora")
+    check_native(qdata, block_scale, row0 + n, k, "fold_weight")
     devs = {t.device for t in (qdata, block_scale, gs, out) if t is not None}
-    devs |= {t.device for t in (amax_w, scale_out) if t is not None}
+    devs |= {t.device for t in (amax_w, scale_out, inv_w) if t is not None}
     if lora is not None:
         devs |= {t.device for t in (*lora[:2], *lora[4:5]) if isinstance(t, torch.Tensor)}
     if len(devs) != 1:
@@ -452,9 +453,13 @@ def fold_weight(qdata: torch.Tensor, block_scale: torch.Tensor, gs: torch.Tensor
     if out.dim() != 2 or out.shape[0] < n or out.shape[1] != k or out.stride(1) != 1:
         raise ValueError(f"fold_weight: out {tuple(out.shape)} cannot hold a [{n}, {k}] weight (unit column stride)")
     fp8 = out.dtype == torch.float8_e4m3fn
-    if fp8 and (amax_w is None or scale_out is None or amax_w.numel() < n or scale_out.numel() < n
-                or amax_w.dtype != torch.float32 or scale_out.dtype != torch.float32):
-        raise ValueError("fold_weight: an e4m3 output needs fp32 amax_w [n] and fp32 scale_out [n]")
+    if fp8 and inv_w is not None:
+        if inv_w.dtype != torch.float32 or inv_w.numel() < row0 + n or not inv_w.is_contiguous():
+            raise ValueError(f"fold_weight: inv_w must be contiguous fp32 [>= {row0 + n}], got {inv_w.dtype} "
+                             f"{tuple(inv_w.shape)}")
+    elif fp8 and (amax_w is None or scale_out is None or amax_w.numel() < row0 + n or scale_out.numel() < n
+                  or amax_w.dtype != torch.float32 or scale_out.dtype != torch.float32):
+        raise ValueError("fold_weight: an e4m3 output needs fp32 amax_w [n] and fp32 scale_out [n] (or inv_w)")
     bsu = block_scale.view(torch.uint8) if block_scale.dtype != torch.uint8 else block_scale
     ncb4 = bsu.shape[1] // 4
     amax_a = None
@@ -491,9 +496,13 @@ def fold_weight(qdata: torch.Tensor, block_scale: torch.Tensor, gs: torch.Tensor
         kb_per //= 2
     dummy = gs
     grid = (triton.cdiv(n, bn), nkb // kb_per)
-    _fold_kernel[grid](qdata, bsu, gs, *args, amax_w if fp8 else dummy, amax_a if amax_a is not None else dummy,
-                       scale_out if fp8 else dummy, out, n, k, qdata.stride(0), ncb4, stride_a, out.stride(0), r, nb,
-                       HAS_LORA=has_lora, FP8_OUT=fp8, BR=br, BN=bn, KB_PER=kb_per, INTERP=INTERPRET,
+    inv_given = fp8 and inv_w is not None
+    _fold_kernel[grid](qdata, bsu, gs, *args, amax_w if (fp8 and amax_w is not None) else dummy,
+                       amax_a if amax_a is not None else dummy, scale_out if scale_out is not None else dummy,
+                       inv_w if inv_given else dummy, out, n, k, row0, qdata.stride(0), ncb4, stride_a,
+                       out.stride(0), r, nb,
+                       HAS_LORA=has_lora, FP8_OUT=fp8, INV_GIVEN=inv_given, BR=br, BN=bn, KB_PER=kb_per,
+                       INTERP=INTERPRET,
                        num_warps=FOLD_CFG["warps"] if bn > 32 else 4,
                        num_stages=FOLD_CFG["stages"])
     return out

@@ -8,7 +8,7 @@ from comfy_api.latest import io
 
 from . import CATEGORY
 from ..kernels import registry
-from ..runtime.loading import ADALN_CHOICES, load_h3_model
+from ..runtime.loading import ADALN_CHOICES, WEIGHTS_CHOICES, load_h3_model
 
 COMPUTE_CHOICES = registry.choices()
 
@@ -49,27 +49,33 @@ class H3TurboNVFP4Loader(io.ComfyNode):
                                        "timestep group and cached on disk per schedule (bit-identical to "
                                        "resident). auto: resident when the model fits the free VRAM with margin, "
                                        "else table. Pruned checkpoints are left to core."),
+                io.Combo.Input("weights", options=list(WEIGHTS_CHOICES), default="auto", optional=True,
+                               tooltip="Per-layer weight copies of the compute path (fp8 keeps an e4m3 copy of "
+                                       "every projection: +18.7 GiB for the full model). lean: no copies, each "
+                                       "call derives the weight from the NVFP4 storage (the same output bit for "
+                                       "bit, a few percent slower). resident: keep the copies. auto: resident "
+                                       "when they fit the free VRAM with margin, else lean."),
             ],
             outputs=[io.Model.Output()],
         )
 
     @classmethod
-    def fingerprint_inputs(cls, unet_name, compute="auto", adaln="auto"):
+    def fingerprint_inputs(cls, unet_name, compute="auto", adaln="auto", weights="auto"):
         """Reload when the file changes on disk (size and mtime), not only when the name changes."""
         import folder_paths
 
         path = folder_paths.get_full_path("diffusion_models", unet_name)
         if path is None or not os.path.exists(path):
-            return (unet_name, compute, adaln)
+            return (unet_name, compute, adaln, weights)
         st = os.stat(path)
-        return (unet_name, compute, adaln, st.st_size, st.st_mtime_ns)
+        return (unet_name, compute, adaln, weights, st.st_size, st.st_mtime_ns)
 
     @classmethod
-    def execute(cls, unet_name, compute="auto", adaln="auto") -> io.NodeOutput:
+    def execute(cls, unet_name, compute="auto", adaln="auto", weights="auto") -> io.NodeOutput:
         import folder_paths
 
         path = folder_paths.get_full_path_or_raise("diffusion_models", unet_name)
-        return io.NodeOutput(load_h3_model(path, compute, adaln=adaln))
+        return io.NodeOutput(load_h3_model(path, compute, adaln=adaln, weights=weights))
 
 
 NODES = [H3TurboNVFP4Loader]

@@ -93,17 +93,52 @@ def resolve_adaln(requested: str, diffusion_model, device, model_bytes: int) -> 
     return "table", f"model {model_bytes / 2**30:.1f} GiB + margin exceeds {free / 2**30:.1f} GiB free"
 
 
+WEIGHTS_CHOICES = ("auto", "lean", "resident")
+
+
+def resolve_weights(requested: str, cpath: str, device, model_bytes: int,
+                    shapes: list[tuple[int, int]]) -> tuple[str, str]:
+    """``(mode, reason)`` for the loader's ``weights`` input on compute path ``cpath``: ``resident`` (the path's
+    per-layer prepared copies, e.g. fp8's e4m3 weights) or ``lean`` (none: each call derives the weight from the
+    packed NVFP4 storage into one reused buffer; the same output bit for bit). ``auto``: ``resident`` when
+    ``model_bytes`` + the prepared copies + the work buffers, plus 10 % and 4 GiB, fit the device's free memory,
+    else ``lean``. A path without a lean mode (exact, reference, blackwell_fp4: no per-layer copies) is ``lean``
+    whatever is asked. ValueError for an unknown name."""
+    if requested not in WEIGHTS_CHOICES:
+        raise ValueError(f"weights={requested!r}: expected one of {', '.join(WEIGHTS_CHOICES)}")
+    p = registry.get(cpath)
+    if not p.has_lean_mode:
+        return "lean", f"compute={cpath} keeps no per-layer weight copies (the weights input changes nothing)"
+    if requested != "auto":
+        return requested, "requested"
+    copies = dispatch.prepared_bytes(shapes, cpath) - dispatch.prepared_bytes(shapes, cpath, lean=True)
+    if torch.device(device).type == "cpu":
+        return "resident", "CPU: the kernels do not run here"
+    import comfy.model_management as mm
+
+    free = int(mm.get_free_memory(device))
+    need = int((model_bytes + copies + dispatch.workspace_bytes(shapes, cpath)) * (1 + ADALN_MARGIN_FRACTION)) \
+        + ADALN_MARGIN_BYTES
+    nums = (f"model {model_bytes / 2**30:.1f} GiB + {copies / 2**30:.1f} GiB {cpath} copies + margin = "
+            f"{need / 2**30:.1f} GiB, {free / 2**30:.1f} GiB free")
+    return ("resident", f"fits: {nums}") if need <= free else ("lean", f"does not fit: {nums}")
+
+
 def load_h3_model(path: str, compute: str = "auto", disable_dynamic: bool = False, keep_fp32_island: bool = True,
-                  adaln: str = "auto"):
+                  adaln: str = "auto", weights: str = "auto"):
     """Validate, convert and build an H3 MODEL (a ComfyUI ModelPatcher) from ``path``.
 
     ``adaln`` (:func:`resolve_adaln`): ``table`` keeps the AdaLN weights in CPU memory and computes their output
     once per timestep group, cached on disk per (model, schedule) (:mod:`h3_turbo.runtime.adaln_memo`).
+    ``weights`` (:func:`resolve_weights`): ``lean`` keeps no per-layer prepared copies of the compute path (fp8:
+    no e4m3 copy; the weight is derived per call, the same output bit for bit).
     Raises :class:`CheckpointError` (damaged / not H3 / bad values), NoCapablePathError (impossible ``compute``)
-    or ValueError (unknown ``adaln``) before anything is built.
+    or ValueError (unknown ``adaln`` / ``weights``) before anything is built.
     """
     if adaln not in ADALN_CHOICES:
         raise ValueError(f"adaln={adaln!r}: expected one of {', '.join(ADALN_CHOICES)}")
+    if weights not in WEIGHTS_CHOICES:
+        raise ValueError(f"weights={weights!r}: expected one of {', '.join(WEIGHTS_CHOICES)}")
     import comfy.model_management as mm
     import comfy.sd
     import comfy.utils
@@ -153,7 +188,7 @@ def load_h3_model(path: str, compute: str = "auto", disable_dynamic: bool = Fals
                                                   disable_dynamic=disable_dynamic or kernels)
     if mp is None:
         raise CheckpointError(path, "ComfyUI could not detect the model type of the converted state dict")
-    mp.cached_patcher_init = (_reload, (path, compute, keep_fp32_island, adaln))
+    mp.cached_patcher_init = (_reload, (path, compute, keep_fp32_island, adaln, weights))
     amode, areason = resolve_adaln(adaln, mp.model.diffusion_model, load_device, int(mp.model_size()))
     adaln_off = 0
     if amode == "table":
@@ -163,27 +198,29 @@ def load_h3_model(path: str, compute: str = "auto", disable_dynamic: bool = Fals
         mp.size = 0                                   # recomputed without the AdaLN modules
     log_once(("adaln", path, adaln, amode), "H3 Turbo loader: adaln=%s -> %s (%s)%s", adaln, amode, areason,
              f"; {adaln_off / 2**30:.2f} GiB of AdaLN weights kept in CPU memory" if adaln_off else "")
+    wmode = None
     if kernels:
         if not keep_fp32_island:
             raise RuntimeError(f"compute={cpath} needs the H3 Turbo operations (keep_fp32_island=True)")
-        n = install_compute(mp, cpath)
         shapes = [(q.n, q.k) for q in det.quant_layers.values()]
-        extra = dispatch.prepared_bytes(shapes, cpath)
+        wmode, wreason = resolve_weights(weights, cpath, load_device, int(mp.model_size()), shapes)
+        n = install_compute(mp, cpath, weights=wmode)
+        extra = dispatch.prepared_bytes(shapes, cpath, lean=wmode == "lean")
         work_b = dispatch.workspace_bytes(shapes, cpath)
         # what ComfyUI reserves: packed weights + the kernels' prepared copies + their reused work buffers
         mp.size = int(mp.model_size()) + extra + work_b
-        log_once(("installed", path, cpath), "H3 Turbo loader: %d NVFP4 projections use compute=%s "
-                 "(+%.2f GiB prepared weights, +%.2f GiB work buffers on the GPU)", n, cpath, extra / 2**30,
-                 work_b / 2**30)
+        log_once(("installed", path, cpath, wmode), "H3 Turbo loader: %d NVFP4 projections use compute=%s, "
+                 "weights=%s -> %s (%s): +%.2f GiB prepared weights, +%.2f GiB work buffers on the GPU", n, cpath,
+                 weights, wmode, wreason, extra / 2**30, work_b / 2**30)
     contracts.attach(mp, None, compute=cpath, compute_reason=reason, source_format=det.format,
-                     checkpoint=os.path.basename(path), packed_bytes=packed, adaln=amode)
+                     checkpoint=os.path.basename(path), packed_bytes=packed, adaln=amode, weights=wmode)
     state.record_loaded_model(path, format=det.format, compute=cpath, packed_bytes=packed,
                               bytes=int(mp.model_size()), layers_nvfp4=work,
-                              kernel_extra_bytes=extra, kernel_workspace_bytes=work_b)
+                              kernel_extra_bytes=extra, kernel_workspace_bytes=work_b, weights=wmode)
     return mp
 
 
-def _reload(path, compute, keep_fp32_island=True, adaln="auto", disable_dynamic=False):
+def _reload(path, compute, keep_fp32_island=True, adaln="auto", weights="auto", disable_dynamic=False):
     """``cached_patcher_init`` factory (core calls it with ``disable_dynamic=True`` for delegates)."""
     return load_h3_model(path, compute, disable_dynamic=disable_dynamic, keep_fp32_island=keep_fp32_island,
-                         adaln=adaln)
+                         adaln=adaln, weights=weights)

@@ -3,8 +3,8 @@ and the NVFP4 block projections routed through :mod:`h3_turbo.kernels.dispatch` 
 
 - :func:`make_operations`: the operations class for ``comfy.sd.load_diffusion_model_state_dict``
   (``model_options["custom_operations"]``); its Linear implements :class:`.layer.FusedLoRALinear`;
-- :func:`install_compute`: switch a built model's 208 NVFP4 projections to a compute path; registers an
-  ``ON_DETACH`` callback that frees the kernels' work buffers on unload.
+- :func:`install_compute`: switch a built model's 208 NVFP4 projections to a compute path and weight mode;
+  registers an ``ON_DETACH`` callback that frees the kernels' work buffers and prepared copies on unload.
 
 A call the kernels cannot serve (no NVFP4 weight, a weight patch, low-VRAM offload, grad, device
 mismatch) runs core's own forward, logged once with the reason. ComfyUI is imported lazily.
@@ -46,6 +46,7 @@ def make_operations(load_device, compute_dtype: torch.dtype | None = None):
             def __init__(self, in_features, out_features, bias=True, device=None, dtype=None):
                 super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
                 self._h3_path = None      # set by install_compute on the NVFP4 block projections
+                self._h3_lean = False     # weights=lean: no per-layer prepared copy (install_compute)
                 self._h3_cache = None
                 if dtype == torch.float32 and self.factory_kwargs["dtype"] not in (None, torch.float32):
                     self.factory_kwargs = {"device": device, "dtype": torch.float32}
@@ -117,11 +118,13 @@ def kernel_forward(m, x, path, lora=None):
     from ..kernels import dispatch
 
     w = m.weight
-    key = (id(w), w._qdata.data_ptr(), str(w._qdata.device), path)
+    lean = bool(getattr(m, "_h3_lean", False))
+    key = (id(w), w._qdata.data_ptr(), str(w._qdata.device), path, lean)
     if m._h3_cache is None or m._h3_cache[0] != key:
         p = w._params
         packed = dispatch.PackedNVFP4(w._qdata, p.block_scale, p.scale, m.out_features, m.in_features)
-        m._h3_cache = (key, dispatch.prepare(packed, path))
+        m._h3_cache = None            # the old prepared copy goes before the new one is made (peak memory)
+        m._h3_cache = (key, dispatch.prepare(packed, path, lean=lean))
     pqs = getattr(m, "pre_quant_scale", None)
     if pqs is not None:
         x = x * pqs.to(device=x.device, dtype=x.dtype)
@@ -136,20 +139,38 @@ def kernel_forward(m, x, path, lora=None):
 
 
 def _release_workspace_on_detach(patcher, unpatch_all=True) -> None:
-    """ComfyUI ``ON_DETACH`` callback: free the kernels' reused per-call buffers when a model that uses them is
-    unloaded (they are part of the size the loader reports, so ComfyUI expects them freed)."""
+    """ComfyUI ``ON_DETACH`` callback: when a model that uses the kernels is unloaded, free their reused per-call
+    buffers and every layer's prepared copy (both are part of the size the loader reports, so ComfyUI expects
+    them freed; a layer prepares again at its next call)."""
     from ..kernels import dispatch
 
     freed = dispatch.release_workspace()
-    if freed:
-        log.info("H3 Turbo: model unloaded, released %.0f MiB of kernel work buffers", freed / 2**20)
+    dropped = drop_prepared(patcher)
+    if freed or dropped:
+        log.info("H3 Turbo: model unloaded, released %.0f MiB of kernel work buffers and the prepared weights of "
+                 "%d layers", freed / 2**20, dropped)
 
 
-def install_compute(model_patcher, path: str) -> int:
+def drop_prepared(model_patcher) -> int:
+    """Drop the prepared copy of every NVFP4 projection of ``model_patcher``'s H3 (made again at the next call);
+    returns how many layers held one."""
+    n = 0
+    for mod in model_patcher.model.diffusion_model.modules():
+        if getattr(mod, "_h3_cache", None) is not None:
+            mod._h3_cache = None
+            n += 1
+    return n
+
+
+def install_compute(model_patcher, path: str, weights: str = "resident") -> int:
     """Route the NVFP4 block projections of ``model_patcher``'s H3 through ``kernels.dispatch`` with
-    ``path`` ("exact", "fp8", "blackwell_fp4"; "reference" restores core's forward). Returns the number
-    of layers switched; RuntimeError if the model was not built with :func:`make_operations`. For a kernel
-    path the patcher also gets an ``ON_DETACH`` callback that frees the kernels' work buffers on unload."""
+    ``path`` ("exact", "fp8", "blackwell_fp4"; "reference" restores core's forward) and ``weights``
+    ("resident": the path's prepared copies; "lean": none, derived per call — same output). Returns the number
+    of layers switched; RuntimeError if the model was not built with :func:`make_operations`, ValueError for
+    an unknown ``weights``. For a kernel path the patcher also gets an ``ON_DETACH`` callback that frees the
+    kernels' work buffers and prepared copies on unload."""
+    if weights not in ("resident", "lean"):
+        raise ValueError(f"weights={weights!r}: expected resident or lean")
     dm = model_patcher.model.diffusion_model
     n = 0
     for name, mod in dm.named_modules():
@@ -159,6 +180,7 @@ def install_compute(model_patcher, path: str) -> int:
             raise RuntimeError(f"{name}: not built with the H3 Turbo operations; cannot install compute={path}")
         if getattr(mod, "quant_format", None) == "nvfp4":
             mod._h3_path = None if path == "reference" else path
+            mod._h3_lean = weights == "lean"
             mod._h3_cache = None
             n += 1
     if path != "reference":

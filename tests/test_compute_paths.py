@@ -82,10 +82,11 @@ def test_memory_accounting(name):
     p = registry.get(name)
     pb, wb = p.prepared_bytes(SHAPES), p.workspace_bytes(SHAPES)
     if name == "exact":
-        assert pb == sum(n * k // 2 + n * k // 16 + 4 for n, k in SHAPES)
+        assert pb == p.prepared_bytes(SHAPES, lean=True) == 4 * len(SHAPES)   # no copy: the native storage
         assert wb == 28672 * 5376 * 2 + 2 * 3072 * (5376 + 14336) * 2
     elif name == "fp8":
-        assert pb == sum(n * k + 4 * n for n, k in SHAPES)
+        assert pb == sum(n * k + 8 * n for n, k in SHAPES)                     # e4m3 copy + sw + amax
+        assert p.prepared_bytes(SHAPES, lean=True) == sum(12 * n for n, _ in SHAPES)
         assert wb == 28672 * 5376 + 4 * 28672
     else:
         assert pb == 0 and wb == 0

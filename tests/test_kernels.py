@@ -64,19 +64,6 @@ def test_dequant_exact_general_scale_within_one_ulp_of_eager_and_fp64():
     assert torch.equal(ours == 0, exact == 0)
 
 
-def test_split_pack_roundtrip_and_torch_split_dequant_bitwise():
-    for n, k in [(16, 16), (40, 96), (48, 384), (32, 400)]:
-        p = make_packed(n, k, seed=n + k)
-        qs, kp = ref.split_pack(p.qdata, n, k)
-        assert kp % 128 == 0 and qs.shape == (n, kp // 2)
-        codes = fmt.unpack_nibbles(p.qdata)[:n, :k]
-        assert torch.equal(ref.split_unpack_codes(qs, n, k), codes)
-        sc = ref.plain_scales(p.block_scale, p.qdata, n, k)
-        a = ref.dequant_split(qs, sc, p.global_scale.reshape(1), n, k)
-        b = ref.dequant_exact(p.qdata, p.block_scale, p.global_scale, n, k)
-        assert torch.equal(a.view(torch.int16), b.view(torch.int16))
-
-
 # ------------------------------------------------------------------------------------ FP8 error bound
 
 @pytest.mark.parametrize("dist", ["gauss", "t3"])

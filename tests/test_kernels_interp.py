@@ -42,16 +42,22 @@ SHAPES = [(64, 384), (40, 128), (96, 176), (48, 16)]
 
 
 @pytest.mark.parametrize("n,k", SHAPES)
-def test_triton_dequant_bit_exact_and_poison_overwritten(tk, n, k):
+def test_triton_fold_rows_bit_exact_and_poison_overwritten(tk, n, k):
+    """fold_weight's row window (row0, the tiled strategy's tiles) equals the reference dequant's rows bit for bit
+    (bf16 and fp32), whatever row0 is (the swizzled scales are addressed by the global row)."""
     p = make_packed(n, k, seed=k, dist="t3")
-    pr = dsp.prepare(p, "exact")
+    gs = p.global_scale.float().reshape(1)
     want = ref.dequant_exact(p.qdata, p.block_scale, p.global_scale, n, k)
-    out = torch.full((n, k), float("nan"), dtype=torch.bfloat16)
-    got = tk.dequant(pr.qs, pr.scales, pr.gs, n, k, out=out)
-    assert torch.isfinite(got).all()
-    assert torch.equal(got.view(torch.int16), want.view(torch.int16))
-    got32 = tk.dequant(pr.qs, pr.scales, pr.gs, n, k, out_dtype=torch.float32)
-    assert torch.equal(got32, ref.dequant_exact(p.qdata, p.block_scale, p.global_scale, n, k, torch.float32))
+    want32 = ref.dequant_exact(p.qdata, p.block_scale, p.global_scale, n, k, torch.float32)
+    for r0, r1 in [(0, n), (5, n), (16, min(n, 37)), (n - 3, n)]:
+        out = torch.full((r1 - r0, k), float("nan"), dtype=torch.bfloat16)
+        got = tk.fold_weight(p.qdata, p.block_scale, gs, r1 - r0, k, out, row0=r0)
+        assert torch.isfinite(got).all()
+        assert torch.equal(got.view(torch.int16), want[r0:r1].view(torch.int16))
+        got32 = tk.fold_weight(p.qdata, p.block_scale, gs, r1 - r0, k, torch.empty(r1 - r0, k), row0=r0)
+        assert torch.equal(got32, want32[r0:r1])
+    with pytest.raises(ValueError, match="does not hold"):
+        tk.fold_weight(p.qdata, p.block_scale, gs, n, k, torch.empty(n, k), row0=n + 16)
 
 
 @pytest.fixture(params=[False, True], ids=["x_by_wT", "swapped_w_by_xT"])
@@ -72,7 +78,7 @@ def test_triton_gemm_exact_vs_float64(tk, swap, n, k, m):
     w = ref.dequant_exact(p.qdata, p.block_scale, p.global_scale, n, k)
     want = x.double() @ w.double().t()
     out = torch.full((m, n), float("nan"), dtype=torch.bfloat16)
-    got = tk.gemm_exact(x, pr.qs, pr.scales, pr.gs, n, k, out=out)
+    got = tk.gemm_exact(x, p.qdata, p.block_scale, pr.gs, n, k, out=out)
     assert got.dtype == torch.bfloat16 and torch.isfinite(got).all()
     e = rel(got, want)
     assert e < 1e-2, e
@@ -88,7 +94,7 @@ def test_triton_gemm_strided_input_and_3d(tk):
     pr = dsp.prepare(p, "exact")
     big = torch.randn(9, k + 32).to(torch.bfloat16)
     x = big[:, 16:16 + k]  # row stride k+32
-    got = tk.gemm_exact(x, pr.qs, pr.scales, pr.gs, n, k)
+    got = tk.gemm_exact(x, p.qdata, p.block_scale, pr.gs, n, k)
     w = ref.dequant_exact(p.qdata, p.block_scale, p.global_scale, n, k)
     assert rel(got, x.double() @ w.double().t()) < 3e-3
 
@@ -103,14 +109,14 @@ def test_triton_fused_lora_equals_unfused_branch(tk, swap, blocks, r):
     A, Bc = _lora_ab(g, blocks * r, n, r, k)
     scale = 0.75
     h = torch.nn.functional.linear(x, A)
-    got = tk.gemm_exact(x, pr.qs, pr.scales, pr.gs, n, k, lora=(h, Bc, scale, n // blocks))
+    got = tk.gemm_exact(x, p.qdata, p.block_scale, pr.gs, n, k, lora=(h, Bc, scale, n // blocks))
     want = dsp.lora_reference(x, p, A, Bc, scale, blocks)
     assert rel(got, want) < 1e-2
     # the unfused branch (reference base + scale * B(A(x)) per block, bf16 ops) agrees too
     unf = dsp.linear_with_lora(x, dsp.prepare(p, "reference"), "reference", A, Bc, scale, blocks)
     assert rel(got, unf) < 1e-2
     # and the LoRA contribution is really there (not a test that cannot fail)
-    base = tk.gemm_exact(x, pr.qs, pr.scales, pr.gs, n, k)
+    base = tk.gemm_exact(x, p.qdata, p.block_scale, pr.gs, n, k)
     assert rel(got, base) > 5e-2
 
 
@@ -412,3 +418,77 @@ def test_registered_path_kernel_within_bound(tk, name, m):
     want = x.double() @ ref.dequant_fp64(p.qdata, p.block_scale, p.global_scale, n, k).t()
     assert got.shape == (m, n) and torch.isfinite(got).all()
     assert rel(got, want) < path.error_bound
+
+
+# ------------------------------------------------------------------------------------ lean weights (issue 17)
+
+@pytest.mark.parametrize("n,k,dist", [(96, 256, "t3"), (40, 176, "normal"), (48, 384, "t3")])
+def test_fp8_lean_weight_is_the_resident_copy_bit_for_bit(tk, n, k, dist):
+    """weights=lean: the e4m3 weight derived per call (fold_weight with the stored 448/amax factors) has the bytes
+    of the resident copy prepare() makes, and the same row scales; a zero row keeps scale 1/448. The lean prepared
+    object holds no [N, K] tensor."""
+    p = make_packed(n, k, seed=n + k, dist=dist)
+    p.qdata[3] = 0                                   # a zero row (codes 0 = +0)
+    resident = dsp.prepare(p, "fp8")
+    lean = dsp.prepare(p, "fp8", lean=True)
+    assert lean.lean and lean.w8 is None and not resident.lean
+    assert all(t.numel() <= lean.sw.numel() for t in (lean.amax_w, lean.inv_w))
+    w8, sw = fp8_path.PATH.weight_operands(lean, "cpu")
+    assert torch.equal(w8[:n].view(torch.uint8), resident.w8[:n].view(torch.uint8))
+    assert torch.equal(sw, resident.sw) and float(sw[0, 3]) == float(torch.tensor(1 / 448))
+    assert torch.equal(lean.amax_w, resident.amax_w)
+    # the reference weight of both modes is the same tensor of values
+    assert torch.equal(fp8_path.PATH.reference_weight(lean, torch.float32),
+                       fp8_path.PATH.reference_weight(resident, torch.float32))
+
+
+@pytest.mark.parametrize("m", [5, 70])
+def test_fp8_lean_and_resident_outputs_bit_identical_with_and_without_turbo(tk, m):
+    """The same layer in both modes: plain calls, and Turbo LoRA calls with a fold key (resident: the weight slot;
+    lean: the per-call fold into the shared buffer) give the same output bit for bit; switching back to the base
+    (Turbo off) too. Shared buffers are reused by another layer in between (the lean weight is per call)."""
+    paths_base.WORK_BUFFERS.clear()
+    n, k, blocks, r = 96, 256, 3, 4
+    p = make_packed(n, k, seed=41, dist="t3")
+    res, lean = dsp.prepare(p, "fp8"), dsp.prepare(p, "fp8", lean=True)
+    other = dsp.prepare(make_packed(64, 384, seed=2), "fp8", lean=True)
+    g = torch.Generator().manual_seed(9)
+    x = torch.randn(m, k, generator=g).to(torch.bfloat16)
+    A, Bc = _lora_ab(g, blocks * r, n, r, k)
+    path = fp8_path.PATH
+
+    def same(a, b):
+        return torch.equal(a.view(torch.int16), b.view(torch.int16))
+
+    assert same(path.kernel_linear(x, res), path.kernel_linear(x, lean))
+    path.kernel_linear(torch.randn(3, 384).to(torch.bfloat16), other)      # another layer uses the buffer
+    lo = paths_base.LoRAOperands(A, Bc.contiguous(), 0.5, n // blocks, None, fold_key=("turbo", "qkv"))
+    y_res, route_res = path.lora(x, res, lo)
+    y_lean, route_lean = path.lora(x, lean, lo)
+    assert (route_res, route_lean) == ("fp8_slot", "fp8_lean_fold")
+    assert same(y_res, y_lean)
+    assert rel(y_res, path.kernel_linear(x, lean)) > 5e-2                  # the LoRA is really in there
+    fp8_path.set_state(res, None, None)                                    # Turbo off: the base again
+    assert same(path.kernel_linear(x, res), path.kernel_linear(x, lean))
+    assert lean.refolds == 0 and res.refolds == 2
+
+
+def test_exact_prepares_no_copy_and_reads_the_native_storage(tk):
+    """exact keeps no per-layer copy: its prepared object shares the packed tensors, and every strategy (fused,
+    tiled with row windows, full) gives the fused kernel's numbers on the native storage."""
+    n, k = 200, 384
+    p = make_packed(n, k, seed=5)
+    pe = dsp.prepare(p, "exact")
+    assert pe.packed.qdata is p.qdata and pe.packed.block_scale is p.block_scale
+    x = torch.randn(9, k).to(torch.bfloat16)
+    w = ref.dequant_exact(p.qdata, p.block_scale, p.global_scale, n, k)
+    want = torch.nn.functional.linear(x, w)
+    assert torch.equal(EXACT.full(x, pe), want)
+    import dataclasses
+    old = dataclasses.replace(EXACT.settings)
+    try:
+        EXACT.settings.tile_rows = 48                                        # tiles start at rows 48, 96, ... 192
+        assert torch.equal(EXACT.tiled(x, pe), want)
+    finally:
+        EXACT.settings = old
+    assert rel(EXACT.kernel_linear(x, pe), x.double() @ w.double().t()) < 3e-3

@@ -329,8 +329,14 @@ def test_kernel_extra_bytes_accounting(comfy):
     nk = sum(n * k for n, k in full)
     assert nk == 20_038_287_360          # H3_FACTS §1: "20.04 B"
     assert kernel_extra_bytes(full, "reference") == 0 and kernel_extra_bytes(full, "blackwell_fp4") == 0
-    assert kernel_extra_bytes(full, "exact") == nk // 2 + nk // 16 + 4 * 208
-    assert kernel_extra_bytes(full, "fp8") == nk + 4 * sum(n for n, _ in full)
+    # exact reads the native storage (its fp32 global scale per layer); fp8 resident: e4m3 copy + sw + amax per
+    # row, lean: sw + amax + inv per row (issue 17)
+    assert kernel_extra_bytes(full, "exact") == 4 * 208
+    rows = sum(n for n, _ in full)
+    assert kernel_extra_bytes(full, "fp8") == nk + 8 * rows
+    from h3_turbo.kernels import dispatch
+    assert dispatch.prepared_bytes(full, "fp8", lean=True) == 12 * rows < 40e6      # 38 MB vs 20 GB
+    assert dispatch.prepared_bytes(full, "exact", lean=True) == dispatch.prepared_bytes(full, "exact")
     # the reused per-call buffers (kernels.dispatch._scratch / _TILE_BUFS): largest layer fc1 28672 x 5376
     from h3_turbo.kernels.paths.exact import PATH as EXACT
     from h3_turbo.kernels.dispatch import workspace_bytes as kernel_workspace_bytes

@@ -3,12 +3,14 @@
 A path takes ComfyUI's native NVFP4 storage (:class:`PackedNVFP4`) and computes ``y = x @ W^T``:
 
 - ``supports(device) -> (ok, reason)``: can this device run it (reason either way, for logs and errors);
-- ``prepare(packed) -> prepared``: load-time work (a re-expressed copy of the weight, or nothing);
+- ``prepare(packed, lean=False) -> prepared``: load-time work (a re-expressed copy of the weight, or nothing;
+  ``lean``: no per-layer copy, the path derives its weight per call into a reused buffer — paths with
+  ``has_lean_mode`` False keep no copies in either mode);
 - ``linear(x2d, prepared) -> y2d``: one call; x2d [M, K] bf16/fp16 on CUDA for the kernel paths (other
   inputs run the eager reference, logged once);
 - ``lora(x2d, prepared, lora) -> (y2d, route) | None``: base + LoRA computed together, or None for
   "use the unfused branch" (``kernels.dispatch.linear_with_lora`` owns the unfused branch);
-- ``prepared_bytes(shapes)`` / ``workspace_bytes(shapes)``: memory kept per model / reused per process;
+- ``prepared_bytes(shapes, lean)`` / ``workspace_bytes(shapes)``: memory kept per model / reused per process;
 - ``reference_weight(prepared, dtype)``: the weight this path's output approximates;
 - ``approximate`` and ``error_bound``: relative L2 bound of ``linear`` against the float64 product of the
   exactly dequantized weight, the number the parametrized tests hold each path to.
@@ -181,12 +183,14 @@ class ComputePath:
     #: the weight storage the path computes from: "nvfp4" (ComfyUI-native NVFP4, the NVFP4 loader) or another
     #: loader's format (``int8_block128``: the DMD loader's W8A8); ``reference`` serves every format
     weight_format: ClassVar[str] = "nvfp4"
+    #: ``prepare(lean=True)`` keeps less than ``prepare()`` (the loader's ``weights`` input matters)
+    has_lean_mode: ClassVar[bool] = False
     settings: Any = None
 
     def supports(self, device: torch.device) -> tuple[bool, str]:
         raise NotImplementedError
 
-    def prepare(self, packed: PackedNVFP4):
+    def prepare(self, packed: PackedNVFP4, lean: bool = False):
         return PreparedPacked(packed)
 
     def reference_weight(self, prepared, dtype: torch.dtype) -> torch.Tensor:
@@ -213,7 +217,7 @@ class ComputePath:
         """(y2d, route) with base + LoRA computed together, or None for the unfused branch."""
         return None
 
-    def prepared_bytes(self, shapes: list[tuple[int, int]]) -> int:
+    def prepared_bytes(self, shapes: list[tuple[int, int]], lean: bool = False) -> int:
         return 0
 
     def workspace_bytes(self, shapes: list[tuple[int, int]], act_bytes: int = 2) -> int:

@@ -4,13 +4,16 @@ tensor-core products with fp32 accumulation. Output within bf16 GEMM rounding of
 
 Strategies (``SETTINGS.strategy``; same numbers up to summation order):
 
-- ``fused``: Triton dequant-GEMM (:func:`kernels.triton_nvfp4.gemm_exact`), the weight never materialised;
+- ``fused``: Triton dequant-GEMM (:func:`kernels.triton_nvfp4.gemm_exact`) on the native storage, the weight
+  never materialised;
 - ``full``: the whole weight dequantized from the native storage into one reused buffer
   (:func:`kernels.triton_nvfp4.fold_weight`, the Turbo LoRA optionally folded in), then one cuBLAS GEMM;
 - ``tiled``: row tiles dequantized on a side stream, overlapped with cuBLAS GEMMs on column slices.
 
 ``auto``: fused up to ``fused_max_m`` rows, else ``large_m_strategy``. Why these defaults: docs/kernels.md.
-Prepared memory: split-packed codes N*Kp/2 + plain scales N*Kp/16 per layer (the fused kernel's layout).
+Prepared memory: none. Every strategy reads ComfyUI's native NVFP4 storage (the packed weights ComfyUI already
+holds); the per-call weight of ``full``/``tiled`` lives in one reused buffer per device (``workspace_bytes``).
+So ``weights=lean`` and ``weights=resident`` are the same thing on this path.
 """
 from __future__ import annotations
 
@@ -19,7 +22,6 @@ from dataclasses import dataclass
 
 import torch
 
-from .. import nvfp4_ref as ref
 from . import base
 from .base import WORK_BUFFERS, SIDE_STREAMS, ComputePath, LoRAOperands, PackedNVFP4
 
@@ -42,12 +44,17 @@ class ExactSettings:
 
 @dataclass
 class PreparedExact:
-    qs: torch.Tensor          # uint8 [N, Kp/2] split-packed (nvfp4_ref.split_pack)
-    scales: torch.Tensor      # uint8 [N, Kp/16] plain e4m3 bytes
+    """The native storage (the same tensors, no copy) and its global scale as an fp32 [1] tensor."""
+    packed: PackedNVFP4
     gs: torch.Tensor          # fp32 [1]
-    out_features: int
-    in_features: int
-    packed: PackedNVFP4 | None = None   # the native storage (same tensors, no copy): "full" strategy / fold
+
+    @property
+    def out_features(self) -> int:
+        return self.packed.out_features
+
+    @property
+    def in_features(self) -> int:
+        return self.packed.in_features
 
 
 class ExactPath(ComputePath):
@@ -68,17 +75,10 @@ class ExactPath(ComputePath):
             return False, f"compute capability {cc[0]}.{cc[1]} < 8.0 (no bf16 tensor cores)"
         return True, f"Triton fused dequant-GEMM on sm_{cc[0]}{cc[1]}"
 
-    def prepare(self, packed: PackedNVFP4) -> PreparedExact:
+    def prepare(self, packed: PackedNVFP4, lean: bool = False) -> PreparedExact:
         packed.check_finite_scales()
-        n, k = packed.out_features, packed.in_features
-        gs = packed.global_scale.detach().float().reshape(1)
-        qs, _ = ref.split_pack(packed.qdata, n, k)
-        sc = ref.plain_scales(packed.block_scale, packed.qdata, n, k)
-        return PreparedExact(qs, sc, gs.to(qs.device), n, k, packed)
-
-    def reference_weight(self, prepared: PreparedExact, dtype) -> torch.Tensor:
-        return ref.dequant_split(prepared.qs, prepared.scales, prepared.gs, prepared.out_features,
-                                 prepared.in_features, dtype)
+        gs = packed.global_scale.detach().float().reshape(1).to(packed.qdata.device)
+        return PreparedExact(packed, gs)
 
     def strategy(self, m: int) -> str:
         s = self.settings
@@ -87,11 +87,12 @@ class ExactPath(ComputePath):
     def kernel_linear(self, x2d: torch.Tensor, p: PreparedExact) -> torch.Tensor:
         from .. import triton_nvfp4 as tk
         strat = self.strategy(x2d.shape[0])
-        if strat == "full" and p.packed is not None:
+        if strat == "full":
             return self.full(x2d, p)
-        if strat in ("tiled", "full"):
+        if strat == "tiled":
             return self.tiled(x2d, p)
-        return tk.gemm_exact(x2d, p.qs, p.scales, p.gs, p.out_features, p.in_features)
+        pk = p.packed
+        return tk.gemm_exact(x2d, pk.qdata, pk.block_scale, p.gs, p.out_features, p.in_features)
 
     def lora(self, x2d: torch.Tensor, p, lo: LoRAOperands):
         from .. import triton_nvfp4 as tk
@@ -102,9 +103,10 @@ class ExactPath(ComputePath):
         strat = self.strategy(m)
         if strat == "fused" and lo.nb % 64 == 0:
             h = torch.nn.functional.linear(x2d, lo.a)
-            return tk.gemm_exact(x2d, p.qs, p.scales, p.gs, p.out_features, p.in_features,
+            pk = p.packed
+            return tk.gemm_exact(x2d, pk.qdata, pk.block_scale, p.gs, p.out_features, p.in_features,
                                  lora=(h, lo.bc, float(lo.scale), lo.nb)), "fused_epilogue"
-        if (s.lora_fold and strat == "full" and m >= s.full_lora_min_m and p.packed is not None
+        if (s.lora_fold and strat == "full" and m >= s.full_lora_min_m
                 and tk.fold_bn(lo.nb) is not None):
             return self.full(x2d, p, lora=(lo.a, lo.bc, float(lo.scale), lo.nb)), "full_fold"
         if s.lora_fold and strat in ("tiled", "full"):
@@ -157,7 +159,7 @@ class ExactPath(ComputePath):
             with (torch.cuda.stream(side) if cuda else contextlib.nullcontext()):
                 if cuda:
                     side.wait_event(free[i % 2])
-                tk.dequant(p.qs[r0:r1], p.scales[r0:r1], p.gs, r1 - r0, k, out=b)
+                tk.fold_weight(p.packed.qdata, p.packed.block_scale, p.gs, r1 - r0, k, b, row0=r0)
                 if lora is not None:
                     a, bc, scale, nb = lora
                     r = bc.shape[1]
@@ -174,9 +176,8 @@ class ExactPath(ComputePath):
                 free[i % 2].record(main)
         return out
 
-    def prepared_bytes(self, shapes: list[tuple[int, int]]) -> int:
-        r = ref.fmt.roundup
-        return sum(n * r(k, 16) // 2 + n * r(k, 16) // 16 + 4 for n, k in shapes)
+    def prepared_bytes(self, shapes: list[tuple[int, int]], lean: bool = False) -> int:
+        return 4 * len(shapes)   # the fp32 global scale per layer
 
     def workspace_bytes(self, shapes: list[tuple[int, int]], act_bytes: int = 2) -> int:
         """The largest layer's whole-weight buffer (N*K activations) plus the row-tile double buffers

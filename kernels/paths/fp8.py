@@ -2,10 +2,18 @@
 
 At load the NVFP4 weight is re-expressed as e4m3 with one fp32 scale per output row (amax/448) from the
 exact fp32 dequant; activations are quantized per row on the fly (Triton). Approximate: ~4% relative from
-the exact GEMM (bounded by ``error_bound`` in the tests). Prepared memory: roundup(N,16)*K e4m3 bytes +
-fp32 row scales per layer. With a Turbo LoRA and a ``fold_key`` the same e4m3 slot holds W + s*B*A until
-another key (or the base) is needed (:class:`PreparedFP8` ``state``; re-derived from the packed storage,
-the base bit-identical to :meth:`FP8Path.prepare`'s). Measurements: docs/kernels.md.
+the exact GEMM (bounded by ``error_bound`` in the tests).
+
+Two weight modes (the loader's ``weights`` input):
+
+- resident: prepared memory roundup(N,16)*K e4m3 bytes + fp32 row factors per layer. With a Turbo LoRA and a
+  ``fold_key`` the same e4m3 slot holds W + s*B*A until another key (or the base) is needed
+  (:class:`PreparedFP8` ``state``; re-derived from the packed storage, the base bit-identical to
+  :meth:`FP8Path.prepare`'s);
+- lean: only the fp32 row factors (12 bytes per row) stay; every call derives the e4m3 weight (with the Turbo
+  LoRA folded in when one is active) from the packed NVFP4 storage into one reused buffer per device
+  (:func:`triton_nvfp4.fold_weight`), with the very arithmetic of the resident mode, so both modes give the same
+  output bit for bit. Measurements: docs/kernels.md, docs/memory.md.
 """
 from __future__ import annotations
 
@@ -30,7 +38,7 @@ class FP8Settings:
 
 @dataclass
 class PreparedFP8:
-    w8: torch.Tensor          # float8_e4m3fn [Npad16, K]
+    w8: torch.Tensor | None   # float8_e4m3fn [Npad16, K]; None in lean mode (derived per call)
     sw: torch.Tensor          # fp32 [1, Npad16]
     out_features: int
     in_features: int
@@ -39,6 +47,11 @@ class PreparedFP8:
     #: what w8/sw hold: None = the base weight; else the key of the Turbo LoRA folded into them
     state: object = None
     refolds: int = 0                    # times w8/sw were re-derived (adapter switch, Turbo on/off)
+    inv_w: torch.Tensor | None = None   # fp32 [N]: 448 / amax' per row (lean: the base weight's factors)
+
+    @property
+    def lean(self) -> bool:
+        return self.w8 is None
 
 
 _INVALID = object()
@@ -48,6 +61,7 @@ class FP8Path(ComputePath):
     name = "fp8"
     approximate = True
     error_bound = 5e-2
+    has_lean_mode = True
 
     def __init__(self):
         self.settings = FP8Settings()
@@ -64,22 +78,46 @@ class FP8Path(ComputePath):
         idx = device.index if device.index is not None else torch.cuda.current_device()
         return base.probe_fp8(idx)
 
-    def prepare(self, packed: PackedNVFP4) -> PreparedFP8:
+    def prepare(self, packed: PackedNVFP4, lean: bool = False) -> PreparedFP8:
+        """Resident: the e4m3 copy [roundup(N,16), K] + row factors. ``lean``: the row factors only."""
         packed.check_finite_scales()
         n, k = packed.out_features, packed.in_features
         npad = ref.fmt.roundup(n, 16)
         dev = packed.qdata.device
-        w8 = torch.zeros((npad, k), dtype=torch.float8_e4m3fn, device=dev)
+        w8 = None if lean else torch.zeros((npad, k), dtype=torch.float8_e4m3fn, device=dev)
         sw = torch.ones((npad,), dtype=torch.float32, device=dev)
         amax_w = torch.zeros((n,), dtype=torch.float32, device=dev)
-        base_into(packed, w8, sw, amax_w, step=self.settings.base_step)
-        return PreparedFP8(w8, sw.reshape(1, npad), n, k, packed, amax_w)
+        inv_w = torch.zeros((n,), dtype=torch.float32, device=dev) if lean else None
+        base_into(packed, w8, sw, amax_w, step=self.settings.base_step, inv_w=inv_w)
+        return PreparedFP8(w8, sw.reshape(1, npad), n, k, packed, amax_w, inv_w=inv_w)
 
     def reference_weight(self, p: PreparedFP8, dtype) -> torch.Tensor:
+        n = p.out_features
+        if p.lean:
+            pk = p.packed
+            w8, sw = ref.fp8_rowwise_from_weight(ref.dequant_exact(pk.qdata, pk.block_scale, pk.global_scale, n,
+                                                                   p.in_features, torch.float32))
+            return (w8.float() * sw[:, None]).to(dtype)
         if p.state is not None:          # a Turbo fold occupies the slot: the base first
             set_state(p, None, None)
-        n = p.out_features
         return (p.w8[:n].float() * p.sw[0, :n, None]).to(dtype)
+
+    def weight_operands(self, p: PreparedFP8, device) -> tuple[torch.Tensor, torch.Tensor]:
+        """The base weight as ``torch._scaled_mm`` takes it: (w8 e4m3 [Npad16, K], sw fp32 [1, Npad16]). Resident:
+        the layer's own copy (the base is restored first if a Turbo fold occupies it); lean: derived now into
+        the reused per-device buffer (valid until the next lean call on this device; Triton)."""
+        if not p.lean:
+            if p.state is not None:
+                set_state(p, None, None)
+            return p.w8, p.sw
+        from .. import triton_nvfp4 as tk
+        pk = p.packed
+        n, k = p.out_features, p.in_features
+        npad = p.sw.shape[1]
+        w = base.scratch(device, torch.float8_e4m3fn, npad * k).view(npad, k)
+        tk.fold_weight(pk.qdata, pk.block_scale, pk.global_scale.float().reshape(1).to(device), n, k, w,
+                       inv_w=p.inv_w)
+        return w, p.sw
 
     def linear(self, x2d, p: PreparedFP8):
         if p.state is not None:
@@ -87,6 +125,9 @@ class FP8Path(ComputePath):
         return super().linear(x2d, p)
 
     def kernel_linear(self, x2d: torch.Tensor, p: PreparedFP8) -> torch.Tensor:
+        if p.lean:
+            w8, sw = self.weight_operands(p, x2d.device)
+            return _scaled_mm(x2d, w8, sw, p.out_features)
         return _scaled_mm(x2d, p.w8, p.sw, p.out_features)
 
     def lora(self, x2d: torch.Tensor, p, lo: LoRAOperands):
@@ -97,6 +138,9 @@ class FP8Path(ComputePath):
         if tk.fold_bn(lo.nb) is None:
             return None
         lt = (lo.a, lo.bc, float(lo.scale), lo.nb, lo.amax_a)
+        if p.lean and (lo.fold_key is not None or x2d.shape[0] >= s.fold_min_m):
+            # what the resident slot would hold, derived per call by the same kernel: the same bytes
+            return fold_per_call(x2d, p, lt), "fp8_lean_fold"
         if lo.fold_key is not None:
             set_state(p, (lo.fold_key, float(lo.scale)), lt)
             return _scaled_mm(x2d, p.w8, p.sw, p.out_features), "fp8_slot"
@@ -104,9 +148,12 @@ class FP8Path(ComputePath):
             return fold_per_call(x2d, p, lt), "fp8_percall"
         return None
 
-    def prepared_bytes(self, shapes: list[tuple[int, int]]) -> int:
+    def prepared_bytes(self, shapes: list[tuple[int, int]], lean: bool = False) -> int:
+        """Resident: e4m3 roundup(N,16)*K + fp32 sw [Npad] + amax [N]; lean: sw + amax + inv (12 bytes per row)."""
         r = ref.fmt.roundup
-        return sum(r(n, 16) * k + 4 * r(n, 16) for n, k in shapes)
+        if lean:
+            return sum(4 * r(n, 16) + 8 * n for n, _ in shapes)
+        return sum(r(n, 16) * k + 4 * r(n, 16) + 4 * n for n, k in shapes)
 
     def workspace_bytes(self, shapes: list[tuple[int, int]], act_bytes: int = 2) -> int:
         """The largest layer's per-call LoRA fold buffer: e4m3 roundup(N,16)*K + fp32 row scales."""
@@ -123,9 +170,10 @@ def _scaled_mm(x2d, w8, sw, n):
     return out[:, :n] if out.shape[1] != n else out
 
 
-def base_into(packed: PackedNVFP4, w8: torch.Tensor, sw: torch.Tensor, amax_w: torch.Tensor | None,
-              step: int = 4096, use_triton: bool | None = None) -> None:
-    """The fp8 base weight, written into w8 [>=N, K] e4m3 / sw [>=N] fp32 (and amax_w [N]): per chunk of
+def base_into(packed: PackedNVFP4, w8: torch.Tensor | None, sw: torch.Tensor, amax_w: torch.Tensor | None,
+              step: int = 4096, use_triton: bool | None = None, inv_w: torch.Tensor | None = None) -> None:
+    """The fp8 base weight, written into w8 [>=N, K] e4m3 (None: lean, factors only) / sw [>=N] fp32 (and
+    amax_w [N], inv_w [N] = 448 / amax' when given): per chunk of
     ``step`` rows (a multiple of 128, so the swizzled block scales slice by rows), the exact fp32 dequant
     (Triton ``fold_weight`` on CUDA, ``nvfp4_ref.dequant_exact`` elsewhere: the same fp32 values) re-expressed
     by ``nvfp4_ref.fp8_rowwise_from_weight``. :meth:`FP8Path.prepare` and the restore after a Turbo fold
@@ -147,9 +195,15 @@ def base_into(packed: PackedNVFP4, w8: torch.Tensor, sw: torch.Tensor, amax_w: t
             tk.fold_weight(q, bs, gs, r1 - r0, k, wf)
         else:
             wf = ref.dequant_exact(q, bs, gs, r1 - r0, k, torch.float32)
-        w8[r0:r1], sw[r0:r1] = ref.fp8_rowwise_from_weight(wf)
+        if w8 is not None:
+            w8[r0:r1], sw[r0:r1] = ref.fp8_rowwise_from_weight(wf)
+        amax, inv, s = ref.fp8_row_factors(wf)
+        if w8 is None:
+            sw[r0:r1] = s
         if amax_w is not None:
-            amax_w[r0:r1] = wf.abs().amax(dim=1)
+            amax_w[r0:r1] = amax
+        if inv_w is not None:
+            inv_w[r0:r1] = inv
 
 
 def fold_per_call(x2d: torch.Tensor, p: PreparedFP8, lora: tuple) -> torch.Tensor:
@@ -159,7 +213,7 @@ def fold_per_call(x2d: torch.Tensor, p: PreparedFP8, lora: tuple) -> torch.Tenso
     from .. import triton_nvfp4 as tk
     pk = p.packed
     n, k = p.out_features, p.in_features
-    npad = p.w8.shape[0]
+    npad = p.sw.shape[1]
     w = base.scratch(x2d.device, torch.float8_e4m3fn, npad * k).view(npad, k)
     so = base.scratch(x2d.device, torch.float32, npad)
     tk.fold_weight(pk.qdata, pk.block_scale, pk.global_scale.float().reshape(1).to(x2d.device), n, k, w, lora=lora,

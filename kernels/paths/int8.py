@@ -106,7 +106,7 @@ class Int8Path(ComputePath):
             return int8_triton.gemm(x2d, prepared.weight)
         return ib.int_mm_linear(x2d, prepared.weight)
 
-    def prepared_bytes(self, shapes: list[tuple[int, int]]) -> int:
+    def prepared_bytes(self, shapes: list[tuple[int, int]], lean: bool = False) -> int:
         return 0
 
     def workspace_bytes(self, shapes: list[tuple[int, int]], act_bytes: int = 2) -> int:

@@ -47,12 +47,14 @@ def kernels() -> dict:
     p = dsp.PackedNVFP4(q, bs, gs, n, k)
     x = (torch.randn(m, k, generator=g)).to(torch.bfloat16)
     pe = dsp.prepare(p, "exact")
-    out["exact.prepare"] = [_h(pe.qs), _h(pe.scales), _h(pe.gs)]
-    out["exact.gemm"] = _h(tk.gemm_exact(x, pe.qs, pe.scales, pe.gs, n, k))
+    # the exact path keeps no copy since issue 17 (it reads the native storage): its prepared state is the scale
+    out["exact.prepare"] = [_h(pe.gs)] if not hasattr(pe, "qs") else [_h(pe.qs), _h(pe.scales), _h(pe.gs)]
+    wq = (q, bs) if not hasattr(pe, "qs") else (pe.qs, pe.scales)
+    out["exact.gemm"] = _h(tk.gemm_exact(x, *wq, pe.gs, n, k))
     a = (torch.randn(3 * 8, k, generator=g) * 0.05).to(torch.bfloat16)
     bc = (torch.randn(n, 8, generator=g) * 0.05).to(torch.bfloat16)
     h = torch.nn.functional.linear(x, a)
-    out["exact.gemm_lora"] = _h(tk.gemm_exact(x, pe.qs, pe.scales, pe.gs, n, k, lora=(h, bc, 0.5, n // 3)))
+    out["exact.gemm_lora"] = _h(tk.gemm_exact(x, *wq, pe.gs, n, k, lora=(h, bc, 0.5, n // 3)))
     out["exact.tiled_lora"] = _h(EXACT.tiled(x, pe, lora=(a, bc, 0.5, n // 3)))
     out["exact.full"] = _h(EXACT.full(x, pe))
     wbuf = torch.empty(n, k, dtype=torch.bfloat16)
@@ -60,6 +62,10 @@ def kernels() -> dict:
     out["exact.fold_lora"] = _h(wbuf)
     pf = dsp.prepare(p, "fp8")
     out["fp8.prepare"] = [_h(pf.w8), _h(pf.sw), _h(pf.amax_w)]
+    if "lean" in __import__("inspect").signature(dsp.prepare).parameters:   # issue 17: lean fp8 = resident bytes
+        pl = dsp.prepare(p, "fp8", lean=True)
+        w8l, swl = __import__("h3_turbo.kernels.paths.fp8", fromlist=["PATH"]).PATH.weight_operands(pl, "cpu")
+        out["fp8.lean_weight"] = [_h(w8l[:n]), _h(swl)]
     x8, sx = tk.quant_rows_fp8(x)
     out["fp8.quant_rows"] = [_h(x8), _h(sx)]
     pr = dsp.prepare(p, "reference")

@@ -94,7 +94,7 @@ try:
         p = dsp.PackedNVFP4(q, bs, gs, n, k)
         pe = dsp.prepare(p, "exact")
         want = ref.dequant_exact(q, bs, gs, n, k)
-        got = tk.dequant(pe.qs, pe.scales, pe.gs, n, k)
+        got = tk.fold_weight(q, bs, pe.gs, n, k, torch.empty(n, k, device=dev, dtype=torch.bfloat16))
         c = {"triton_dequant_bitexact": bool(torch.equal(got.view(torch.int16), want.view(torch.int16)))}
         if ck is not None and (n % 16 == 0):
             ckd = ck.dequantize_nvfp4(q, gs, bs, output_type=torch.bfloat16)[:n, :k]
@@ -102,7 +102,7 @@ try:
         for m in ((1, 77, 1000, 4099) if CHECK_FUSED else ()):
             x = torch.randn(m, k, device=dev).to(torch.bfloat16)
             o = torch.full((m, n), float("nan"), device=dev, dtype=torch.bfloat16)
-            tk.gemm_exact(x, pe.qs, pe.scales, pe.gs, n, k, out=o)
+            tk.gemm_exact(x, q, bs, pe.gs, n, k, out=o)
             r64 = x.double() @ want.double().t()
             c[f"fused_m{m}_rel"] = rel(o, r64)
             c[f"fused_m{m}_all_finite"] = bool(torch.isfinite(o).all())
@@ -170,7 +170,8 @@ for S in S_LIST:
             r64l = dsp.lora_reference(x[:SAMPLE], pe, A, B, lscale, blocks)
             meth = {
                 "bf16": lambda: F.linear(x, wq),
-                "dq_bf16": lambda: F.linear(x, tk.dequant(pe.qs, pe.scales, pe.gs, N, K)),
+                "dq_bf16": lambda: F.linear(x, tk.fold_weight(q, bs, pe.gs, N, K, torch.empty(N, K, device=dev,
+                                                                                              dtype=torch.bfloat16))),
             }
             if ck is not None:
                 meth["core_nvfp4"] = lambda: F.linear(x, ck.dequantize_nvfp4(q, gs, bs, output_type=torch.bfloat16))

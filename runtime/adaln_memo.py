@@ -8,9 +8,9 @@ stand-ins in their place:
 
 - :class:`MemoTimeEmbedder` keys each forward by the fp32 bits of its timestep group. A group seen before (in this
   process, or read from the on-disk cache) is a row lookup; a new group is computed once by core's own modules:
-  each one is moved to the forward's device, run exactly as core runs it (fp32 timestep MLP, ``.to(dtype)``, then
-  ``silu`` + linear in the compute dtype) and moved back, so the rows equal what resident weights give on that
-  device, bit for bit (same modules, same arithmetic, same batch). Each such computation counts once in
+  each one runs on the forward's device with its weights copied there for the call (:func:`with_weights_on`),
+  exactly as core runs it (fp32 timestep MLP, ``.to(dtype)``, then ``silu`` + linear in the compute dtype), so the
+  rows equal what resident weights give on that device, bit for bit (same modules, same arithmetic, same batch). Each such computation counts once in
   :data:`WEIGHT_READS`.
 - :class:`MemoAdaLN` stands in for one ``adaln_proj``: ``rows[idx]`` viewed and chunked as core's ``AdalnProj``.
 - :func:`sample_wrapper`, a ComfyUI ``WrappersMP.OUTER_SAMPLE`` wrapper (core's KSampler, SamplerCustomAdvanced and
@@ -117,18 +117,13 @@ class Memo:
 
     def compute(self, groups: list[torch.Tensor], dtype: torch.dtype) -> list[tuple[list[torch.Tensor], torch.Tensor]]:
         """Rows of each group (fp32 timesteps, all on one device) from core's own modules, one batch per group as
-        core's forward, in one pass over the weights: each module is streamed to the device once and back."""
+        core's forward, in one pass over the weights: each module's weights are copied to the device once
+        (:func:`with_weights_on`) and dropped after its rows are computed."""
         dev = groups[0].device
         mods = self._mods.modules
 
         def on_device(mod, fn):
-            if dev.type != "cpu":
-                mod.to(dev)
-            try:
-                return fn(mod)
-            finally:
-                if dev.type != "cpu":
-                    mod.to("cpu")
+            return fn(with_weights_on(mod, dev))
 
         def rows(mod, x):
             return torch.cat(mod(x), -1).reshape(x.shape[0], -1).cpu()
@@ -219,6 +214,20 @@ class MemoAdaLN(torch.nn.Module):
         x = rows.index_select(0, A._decode(t_emb).cpu()).to(t_emb.device)
         x = x.view(x.shape[0] * self.modalities, self.expand * self.hidden)
         return x.chunk(self.expand, dim=-1)
+
+
+def with_weights_on(mod: torch.nn.Module, device, force_copy: bool = False):
+    """A callable that runs ``mod``'s own forward with its parameters and buffers copied to ``device`` (the module
+    and its CPU tensors are left as they are: no copy back, no new CPU allocation); ``mod`` itself when they are
+    already there (``force_copy``: copies anyway, for tests). The same module code on the same device and values, so
+    the same numbers as ``mod.to(device)``."""
+    device = torch.device(device)
+    tensors = dict(mod.named_parameters())
+    tensors.update(mod.named_buffers())
+    if not force_copy and all(t.device == device for t in tensors.values()):
+        return mod
+    copies = {n: t.to(device, copy=True) for n, t in tensors.items()}
+    return lambda *args, **kwargs: torch.func.functional_call(mod, copies, args, kwargs, strict=True)
 
 
 def _compute_dtype(base_model) -> torch.dtype:

@@ -214,3 +214,23 @@ def test_cached_rows_equal_core_resident_modules_per_group(comfy, fixtures_dir, 
                 assert torch.equal(torch.cat(blk.adaln_proj(temb), -1).reshape(len(g), -1), t.blocks[i][s:s + len(g)])
             assert torch.equal(torch.cat(dm.final_layer.adaln_proj(temb), -1).reshape(len(g), -1), t.final[s:s + len(g)])
     assert not torch.equal(t.blocks[0][t.starts[0]], t.blocks[0][t.starts[1]])
+
+
+def test_with_weights_on_runs_the_module_on_copies_and_leaves_it_untouched(comfy):
+    """The GPU pass of the AdaLN table runs each module with its weights copied to the device (no move and no copy
+    back): forced here on the CPU, the copies give the module's own numbers bit for bit and the module keeps its own
+    tensors (same storage, same values); tensors already on the device return the module itself."""
+    from h3_turbo.runtime import adaln_memo
+
+    lin = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.SiLU(), torch.nn.Linear(16, 4))
+    lin.register_buffer("marker", torch.ones(3))
+    x = torch.randn(5, 8)
+    assert adaln_memo.with_weights_on(lin, "cpu") is lin
+    before = {n: (t.clone(), t.data_ptr()) for n, t in lin.state_dict().items()}
+    seen = []
+    h = lin[0].register_forward_pre_hook(lambda m, a: seen.append(m.weight.data_ptr()))
+    f = adaln_memo.with_weights_on(lin, "cpu", force_copy=True)
+    assert torch.equal(f(x), lin(x))
+    h.remove()
+    assert seen[0] != before["0.weight"][1] and seen[1] == before["0.weight"][1]   # the call ran on the copy
+    assert all(torch.equal(t, before[n][0]) and t.data_ptr() == before[n][1] for n, t in lin.state_dict().items())

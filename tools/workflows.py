@@ -492,7 +492,7 @@ def _real_front(turbo: str | None) -> list[Node]:
     """Nodes 1-8 shared by the real workflows: image, loaders, attention (+ Turbo), conditioning."""
     nodes = [
         Node(1, "LoadImage", {"image": "example.png"}, (0, 660), title="First frame", size=(320, 340)),
-        Node(2, "H3TurboNVFP4Loader", {"unet_name": NVFP4_MODEL, "compute": "auto", "adaln": "auto"}, (0, 0)),
+        Node(2, "H3TurboNVFP4Loader", {"unet_name": NVFP4_MODEL, "compute": "auto", "adaln": "auto", "weights": "auto"}, (0, 0)),
         Node(3, "H3TurboAttention", {"model": (2, 0), "backend": "auto"}, (380, 0)),
         Node(5, "CLIPLoader", {"clip_name": TEXT_ENCODER, "type": "minimax", "device": "default"}, (0, 160)),
         Node(6, "VAELoader", {"vae_name": VIDEO_VAE}, (0, 340), title="Video VAE"),
@@ -584,7 +584,7 @@ def _tiny_workflow() -> Workflow:
             f"- `{TINY_MODEL}` in `diffusion_models/`\n- `{TINY_TURBO_4STEP}` in `loras/`\n"
             "- `h3_tiny_turbo_8step_comfyui_bf16.safetensors` in `loras/`\n")
     nodes = [
-        Node(1, "H3TurboNVFP4Loader", {"unet_name": TINY_MODEL, "compute": "auto", "adaln": "auto"}, (0, 0)),
+        Node(1, "H3TurboNVFP4Loader", {"unet_name": TINY_MODEL, "compute": "auto", "adaln": "auto", "weights": "auto"}, (0, 0)),
         Node(2, "H3TurboLoRA", {"model": (1, 0), "turbo": TINY_TURBO_4STEP, "strength": 1.0, "variant": "auto"},
              (380, 0)),
         Node(3, "H3TurboTestConditioning", {"model": (2, 0), "seed": 0, "tokens": 16}, (380, 170)),

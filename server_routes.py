@@ -9,8 +9,11 @@ Response (JSON object; README "Hot API" is the user-facing copy of this list):
   ``available_turbos`` (list of {file, path, bytes, variant, source, nfe, shift_video, shift_audio, sha256,
   expected_sha256, verified, error}, plus official_name for a file recognized by its hash; ``verified``: True = the SHA-256 is a published one, False = an official
   file name whose content differs from its published SHA-256 (or cannot be read: ``error`` says why), None =
-  no published SHA-256 to compare with, or the hash is still pending), ``resident_turbos`` ({SHA-256: {variant,
-  file, bytes, device, layout, verified}}, ``verified`` as in available_turbos), ``current_turbo`` (str),
+  no published SHA-256 to compare with, or the hash is still pending; ``error``: why the file cannot be used,
+  from its header, its hash and the checks of Apply H3 Turbo LoRA, ``adapters/scan.py``; unreadable
+  ``.safetensors`` files are listed with source "unreadable"), ``resident_turbos`` ({SHA-256: {variant,
+  file (last used under), files (every name it was read under), bytes, device, layout, verified}}, ``verified``
+  as in available_turbos), ``current_turbo`` (str),
   ``current_turbo_at`` (unix s or null), ``loaded_models`` ({path: {format, compute, bytes, packed_bytes,
   layers_nvfp4, kernel_extra_bytes, kernel_workspace_bytes, loaded_at}}), ``adapter_loads`` ({loads, hits,
   evictions}: Turbo LoRA file reads / cache hits / evictions), ``scan`` (the background scanner: {state,

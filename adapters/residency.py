@@ -10,8 +10,10 @@
 - Each adapter lives in an ``AdapterModule`` wrapped in a ComfyUI ``ModelPatcher``; :func:`install`
   registers it on the clone with ``set_additional_models("h3turbo_lora", [...])`` so ComfyUI loads and
   offloads it together with the diffusion model and counts its bytes.
-- ``state.record_resident_turbo`` / ``drop_resident_turbo`` mirror the cache for ``/h3turbo/ready``;
-  ``state.set_current_turbo`` is called when a sampling run starts (``WrappersMP.OUTER_SAMPLE``).
+- ``state.record_resident_turbo`` / ``drop_resident_turbo`` mirror the cache for ``/h3turbo/ready``: ``file`` is the
+  name the adapter was last requested under, ``files`` every file name its content was read under (one resident
+  adapter per content, whatever the names); ``state.set_current_turbo`` is called when a sampling run starts
+  (``WrappersMP.OUTER_SAMPLE``).
 """
 from __future__ import annotations
 
@@ -61,6 +63,11 @@ class ResidentAdapter(contracts.AdapterFileNames):
     notes: list[str] = field(default_factory=list)
     head_dim: int | None = None   # the head size its qkv rows were de-interleaved for (DiffSynth layout)
     _patcher: object = None
+    #: every file name (base name) this content was requested under, first use first; shared by the copies
+    #: :func:`_renamed` makes, so the cache entry knows them all
+    names: list[str] = field(default_factory=list)
+    #: the path of the most recent request (:func:`get`), which :func:`install` reports as the adapter's file
+    requested: str | None = None
 
     @property
     def nbytes(self) -> int:
@@ -96,10 +103,21 @@ def budget_bytes() -> int:
     return int(mb * (1 << 20))
 
 
-def _record(r: ResidentAdapter) -> None:
-    state.record_resident_turbo(r.key, variant=r.variant, file=r.file, bytes=r.nbytes,
+def _record(r: ResidentAdapter, file: str | None = None) -> None:
+    """Mirror ``r`` in ``state`` for ``/h3turbo/ready``: ``file`` = the name it is used under now (``file``, else
+    its last request), ``files`` = every name it was requested under."""
+    name = os.path.basename(file or r.requested or r.path)
+    state.record_resident_turbo(r.key, variant=r.variant, file=name, files=list(r.names) or [name], bytes=r.nbytes,
                                 device=str(r.module.param_device()), layout=r.layout,
                                 verified=r.contract.extra.get("verified") if r.contract is not None else None)
+
+
+def _known_as(r: ResidentAdapter, path: str) -> None:
+    """Note that ``r``'s content was requested under ``path`` now."""
+    name = os.path.basename(path)
+    if name not in r.names:
+        r.names.append(name)
+    r.requested = path
 
 
 def get(path: str, dims: dict[str, tuple[int, int]] | None = None, head_dim: int | None = None) -> ResidentAdapter:
@@ -123,7 +141,7 @@ def get(path: str, dims: dict[str, tuple[int, int]] | None = None, head_dim: int
             LOAD_STATS["hits"] += 1
             if os.path.realpath(hit.path) != os.path.realpath(path):
                 log.info("Turbo LoRA %s has the same content as resident %s; reusing it", path, hit.path)
-                hit = _renamed(hit, path, sha)
+            entry, hit = hit, _renamed(hit, path, sha)
             if hit.head_dim is not None and head_dim is not None and hit.head_dim != head_dim:
                 raise turbo_lora.TurboLoRAError(
                     f"Turbo LoRA {os.path.basename(path)!r} (DiffSynth-Studio layout) is resident with its qkv rows "
@@ -131,12 +149,15 @@ def get(path: str, dims: dict[str, tuple[int, int]] | None = None, head_dim: int
                     f"was made for another base. File: {path}")
             if dims is not None:
                 hit.validate_for(dims)
+            _known_as(entry, path)     # once this name's checks passed (a renamed copy shares the names)
+            hit.requested = path
+            _record(hit)
             return hit
         lora = turbo_lora.load_turbo_lora(path, sha256=sha, head_dim=head_dim)
         LOAD_STATS["loads"] += 1
         module = AdapterModule(lora)
         res = ResidentAdapter(sha, path, lora.contract, lora.layout, lora.key_style, module, list(lora.notes),
-                              lora.head_dim)
+                              lora.head_dim, names=[os.path.basename(path)], requested=path)
         del lora
         if dims is not None:
             res.validate_for(dims)
@@ -152,6 +173,8 @@ def get(path: str, dims: dict[str, tuple[int, int]] | None = None, head_dim: int
 def _renamed(hit: ResidentAdapter, path: str, sha: str) -> ResidentAdapter:
     """The resident adapter ``hit`` as read under another file name: the same tensors, with the contract that
     name and header give (an official name checked against the tensors' alpha/rank, as a fresh load does)."""
+    if os.path.realpath(hit.path) == os.path.realpath(path):
+        return hit
     _, metadata = turbo_lora.read_header(path)
     contract = turbo_lora.contract_for(path, metadata, sha)
     def terms(c):   # what sampling and the checks depend on (not the file name it was read under)
@@ -280,6 +303,7 @@ def install(model_patcher, resident: ResidentAdapter, strength: float, alias: st
         log.warning("Apply H3 Turbo LoRA: this MODEL already carries the Turbo adapter %r (%s); it is replaced by "
                     "%r (%s): Turbo adapters do not stack", previous["adapter"], previous.get("adapter_file"),
                     alias, resident.file)
+    used_as = resident.requested or resident.path   # the file this request named (same content, maybe other name)
     branch = TurboBranch(resident.module, strength, name=alias)
     model_patcher.set_injections(WRAPPER_KEY, branch.patcher_injections())
     model_patcher.remove_wrappers_with_key(pe.WrappersMP.DIFFUSION_MODEL, WRAPPER_KEY)
@@ -291,12 +315,12 @@ def install(model_patcher, resident: ResidentAdapter, strength: float, alias: st
         state.set_current_turbo(alias)
         with _lock:
             if resident.key in _cache:
-                _record(resident)
+                _record(resident, file=used_as)
 
     model_patcher.remove_wrappers_with_key(pe.WrappersMP.OUTER_SAMPLE, WRAPPER_KEY)
     model_patcher.add_wrapper_with_key(pe.WrappersMP.OUTER_SAMPLE, WRAPPER_KEY, branch.outer_sample_wrapper(on_start))
     model_patcher.set_additional_models(WRAPPER_KEY, [resident.patcher()])
     contracts.attach(model_patcher, resident.contract if contract is _FILE else contract, adapter=alias,
-                     adapter_file=resident.file,
+                     adapter_file=os.path.basename(used_as),
                      adapter_sha256=resident.key, strength=float(strength))
     return branch, model_patcher

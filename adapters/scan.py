@@ -8,10 +8,20 @@ Recognition order for one ``.safetensors`` file (``recognize``, cheap: reads the
    present) is a *candidate*: it is listed only if its SHA-256 equals a published one
    (:func:`h3_turbo.adapters.contracts.by_sha256`) -> source ``"sha256"``.
 
+A ``.safetensors`` file whose header cannot be read (truncated download, Git LFS pointer, not safetensors) is
+listed too, with source ``"unreadable"``, variant ``"unknown"`` and the reader's error (it may be a Turbo LoRA:
+it must not vanish from the list).
+
 SHA-256 is computed by :class:`TurboScanner` in a background thread, once per (path, size, mtime_ns),
 in the Turbo LoRA loader's process-wide cache (:func:`h3_turbo.adapters.turbo_lora.sha256_file`), so the
 loader and the scan never hash the same file twice. ``verified`` is True when the hash equals the published one, False when a file with
 an official name has another hash (``error`` says which), None while pending or when no hash is published.
+
+After the hash, each listed file is checked once per (path, size, mtime_ns) by :func:`check_file`: the
+model-independent checks ``Apply H3 Turbo LoRA`` makes (``turbo_lora.load_turbo_lora``: keys, shapes, values,
+alpha, ``training_scale``, an official name's alpha/rank) plus every block covering its four projections. A
+problem goes into ``error`` (after the hash finding, when there is one), naming the file, the key and what was
+expected: no listed file says ``error: null`` while it cannot be used.
 """
 from __future__ import annotations
 
@@ -20,11 +30,14 @@ import os
 import threading
 import time
 
+from .. import state
 from . import contracts
 
 log = logging.getLogger("h3_turbo")
 
 H3_LORA_PROBE_KEY = "diffusion_model.blocks.0.attn.qkv_proj.lora_A.weight"
+#: :func:`check_file` results: (real path, size, mtime_ns) -> the problem text, or None for a usable file
+_CHECKS = state.Store("turbo_scan_checks")
 
 def cached_sha256(path: str) -> str | None:
     """The cached SHA-256 of ``path`` at its current size and mtime, else None (shared with the Turbo LoRA
@@ -48,6 +61,71 @@ def _read_header(path: str):
     return read_header(path)
 
 
+def cached_check(path: str) -> tuple[bool, str | None]:
+    """(True, problem or None) when :func:`check_file` already checked ``path`` at its current size and mtime,
+    else (False, None). No I/O beyond stat."""
+    from . import turbo_lora
+
+    try:
+        key = turbo_lora._stat_key(path)
+    except OSError:
+        return False, None
+    st = _CHECKS
+    with st.lock:
+        if key in st.data:
+            return True, st.data[key]
+    return False, None
+
+
+def check_file(path: str, sha: str | None = None) -> str | None:
+    """Why the Turbo LoRA ``path`` cannot be used, or None: the checks of ``turbo_lora.load_turbo_lora`` (the
+    loader of ``Apply H3 Turbo LoRA``) and every block covering its four projections (0..N-1 blocks and refiner
+    blocks, as the file's own highest indices say). Model-independent: the sizes against a model are checked when
+    it is applied. Cached per (real path, size, mtime_ns); reads the file's tensors (background thread only)."""
+    import re
+
+    from . import turbo_lora
+
+    try:
+        key = turbo_lora._stat_key(path)
+    except OSError as e:
+        return f"{path}: cannot stat: {e}"
+    st = _CHECKS
+    with st.lock:
+        if key in st.data:
+            return st.data[key]
+    try:
+        lora = turbo_lora.load_turbo_lora(path, sha256=sha)
+        blocks: dict[str, set[int]] = {"blocks": set(), "token_refiner.blocks": set()}
+        for t in lora.targets:
+            m = re.match(r"^(blocks|token_refiner\.blocks)\.(\d+)\.", t)
+            if m:
+                blocks[m.group(1)].add(int(m.group(2)))
+        n_blocks = max(blocks["blocks"], default=-1) + 1
+        n_ref = max(blocks["token_refiner.blocks"], default=-1) + 1
+        missing = [t for t in turbo_lora.target_names(n_blocks, n_ref) if t not in lora.targets]
+        problem = None
+        if missing:
+            problem = (f"Turbo LoRA {os.path.basename(path)!r} is incomplete: " + turbo_lora._listing(
+                f"missing targets (expected all four projections of blocks 0..{n_blocks - 1} and refiner blocks "
+                f"0..{n_ref - 1}, as its highest block indices say)", missing) + f". File: {path}")
+        del lora
+    except turbo_lora.TurboLoRAError as e:
+        problem = str(e)
+    except Exception as e:   # any other reader failure is the file's problem too, reported, never raised
+        problem = f"{path}: cannot be read as a Turbo LoRA: {type(e).__name__}: {e} (expected a Turbo LoRA file)"
+    with st.lock:
+        st.data[key] = problem
+    return problem
+
+
+def _with_problem(item: dict, problem: str | None) -> dict:
+    """``item`` with ``problem`` added to its ``error`` (after a hash finding already there)."""
+    if not problem:
+        return item
+    return dict(item, error=f"{item['error']}; {problem}" if item.get("error") else problem)
+
+
 def recognize(path: str, name: str | None = None) -> dict | None:
     """Cheap recognition of one file (header only, no hashing).
 
@@ -55,7 +133,9 @@ def recognize(path: str, name: str | None = None) -> dict | None:
     "8step" or "unknown" for a hash-only candidate), ``file`` (``name`` or the base name), ``path``,
     ``bytes``, ``source`` ("filename" | "fixture-metadata" | "candidate"), ``expected_sha256``
     (published hash or None), ``nfe``, ``shift_video``, ``shift_audio``.
-    A damaged header on a file with an official name is reported with ``error`` (never raised).
+    A file whose header cannot be read (an official name, or any ``.safetensors``) is listed with ``error``
+    (source ``"unreadable"`` unless the official name says more; never raised). ``_readable`` (internal, removed
+    before publishing) marks the items whose header was read: those are hashed and checked.
     """
     import json
 
@@ -65,8 +145,10 @@ def recognize(path: str, name: str | None = None) -> dict | None:
     try:
         item["bytes"] = os.path.getsize(path)
     except OSError as e:
-        return None if contracts.by_filename(base) is None else dict(item, variant="unknown", source="filename",
-                                                                      error=f"cannot stat: {e}")
+        if contracts.by_filename(base) is None and not base.endswith(".safetensors"):
+            return None
+        return dict(item, variant="unknown", source="filename" if contracts.by_filename(base) else "unreadable",
+                    error=f"{path}: cannot stat: {e}")
     art = contracts.by_filename(base)
     if art is not None:
         c = art.contract
@@ -74,6 +156,7 @@ def recognize(path: str, name: str | None = None) -> dict | None:
                    shift_video=c.shift_video, shift_audio=c.shift_audio)
         try:
             _read_header(path)  # header-only: names a Git LFS pointer / truncation before any hashing
+            out["_readable"] = True
         except Exception as e:
             out.update(verified=False, error=str(e))
         return out
@@ -81,9 +164,9 @@ def recognize(path: str, name: str | None = None) -> dict | None:
         return None
     try:
         hdr = _read_header(path)
-    except Exception as e:  # a broken unrelated LoRA must not break the scan
-        log.debug("h3_turbo scan: skipping %s: %s", path, e)
-        return None
+    except Exception as e:  # listed with its error (it may be a Turbo LoRA); never breaks the scan
+        return dict(item, variant="unknown", source="unreadable", error=str(e))
+    item["_readable"] = True
     fx = hdr.metadata.get("h3_turbo_fixture")
     if fx is not None and H3_LORA_PROBE_KEY in hdr.tensors:
         try:
@@ -178,9 +261,8 @@ class TurboScanner:
         return True
 
     def _publish(self, items: list[dict]) -> None:
-        from .. import state
-
-        items = sorted(items, key=lambda i: (i["variant"], i["file"]))
+        items = sorted(({k: v for k, v in i.items() if not k.startswith("_")} for i in items),
+                       key=lambda i: (i["variant"], i["file"]))
         with self._lock:
             self._items = [dict(i) for i in items]
         state.set_available_turbos(items)
@@ -203,11 +285,17 @@ class TurboScanner:
         files = self._lister()
         found = [it for it in (recognize(p, n) for n, p in files) if it is not None]
         for it in found:
+            if not it.get("_readable"):
+                continue
             sha = cached_sha256(it["path"])
             if sha is not None:
                 it.update(finish(it, sha) or {"_drop": True})
+                done, problem = cached_check(it["path"])
+                if done:
+                    it.update(_with_problem(it, problem), _checked=True)
         found = [it for it in found if not it.get("_drop")]
-        pending = [i for i, it in enumerate(found) if it["sha256"] is None and it.get("error") is None]
+        # hashed and checked in this thread: every readable file not done yet (an unreadable one has its error)
+        pending = [i for i, it in enumerate(found) if it.get("_readable") and not it.get("_checked")]
         with self._lock:
             self._status.update(listed_at=time.time(), files_seen=len(files), pending_hashes=len(pending))
 
@@ -218,7 +306,11 @@ class TurboScanner:
         for i in pending:
             it = found[i]
             try:
-                found[i] = finish(it, sha256_file(it["path"]))
+                if it["sha256"] is None:
+                    it = finish(it, sha256_file(it["path"]))
+                if it is not None:
+                    it = _with_problem(it, check_file(it["path"], it["sha256"]))
+                found[i] = it
             except OSError as e:
                 found[i] = dict(it, error=f"{it['path']}: cannot read for SHA-256: {e}")
             with self._lock:

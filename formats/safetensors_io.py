@@ -70,7 +70,8 @@ def read_header(path: str | os.PathLike) -> Header:
     """Read and validate the header of ``path`` without reading tensor data.
 
     Checks, each with its own :class:`CheckpointError`: file exists and is at least 8 bytes; not a Git
-    LFS pointer; header length within the file (and <= 100 MiB); header is a UTF-8 JSON object; each
+    LFS pointer; the header starts with ``{`` at byte 8 (else "not a safetensors file", naming a PyTorch pickle as
+    one, which is never unpickled, instead of quoting a header length read from its bytes); header length within the file (and <= 100 MiB); header is a UTF-8 JSON object; each
     entry has a known dtype, a non-negative integer shape and offsets with ``end - begin ==
     prod(shape) * itemsize``; offsets inside the file (else "truncated"); tensors tile the data buffer
     without gaps or overlaps; no bytes after the last tensor.
@@ -90,6 +91,8 @@ def read_header(path: str | os.PathLike) -> Header:
         if size < 8:
             raise CheckpointError(path, f"file is {size} bytes, too small for a safetensors header",
                                   expected=">= 8 bytes")
+        if size > 8 and head[8:9] != b"{":   # the header JSON starts at byte 8 and MUST begin with '{'
+            raise _not_safetensors(path, head)
         (n,) = struct.unpack("<Q", head[:8])
         if n > size - 8:
             raise CheckpointError(path, f"header length field says {n} bytes but the file has only "
@@ -152,6 +155,34 @@ def read_header(path: str | os.PathLike) -> Header:
         raise CheckpointError(path, f"{data_len - pos} trailing bytes after the last tensor (the file was "
                                     "appended to or the header is wrong)", expected=f"data size {pos}")
     return out
+
+
+#: extensions of PyTorch / pickle checkpoints (``torch.save``), which the pack never unpickles
+PICKLE_EXTENSIONS = (".ckpt", ".pt", ".pth", ".pkl", ".pickle", ".bin")
+
+
+def _not_safetensors(path: str, head: bytes) -> CheckpointError:
+    """The error for a file whose first bytes are not a safetensors header (8-byte length, then ``{``): a PyTorch
+    pickle (zip archive or raw pickle, or a pickle extension) says that pickles are not loaded, for safety; any
+    other file says what it starts with. Never a header length read from bytes that are not one."""
+    zip_archive, raw_pickle = head[:4] == b"PK\x03\x04", head[:1] == b"\x80" and head[1:2] in (b"\x02", b"\x03",
+                                                                                                b"\x04", b"\x05")
+    if zip_archive or raw_pickle or path.lower().endswith(PICKLE_EXTENSIONS):
+        what = ("a PyTorch checkpoint (torch.save zip archive with a pickle inside)" if zip_archive else
+                "a Python pickle (PyTorch .ckpt / .pt checkpoint)" if raw_pickle else
+                f"a {os.path.splitext(path)[1]} file (a PyTorch pickle checkpoint)")
+        return CheckpointError(path, f"not a safetensors file: this is {what}. Pickle files are not loaded, for "
+                                     "safety (unpickling can run arbitrary code)",
+                               expected="a .safetensors file: use the safetensors release of this model, or convert "
+                                        "the pickle to safetensors where you trust its source")
+    text = head.decode("utf-8", errors="replace")
+    if head and all(32 <= b < 127 or b in (9, 10, 13) for b in head):
+        start = f"text ({text[:40]!r}...)"
+    else:
+        start = f"bytes {head[:16].hex(' ')}"
+    return CheckpointError(path, f"not a safetensors file: it starts with {start}, not an 8-byte header length "
+                                 "followed by the header's JSON '{'",
+                           expected="a .safetensors file")
 
 
 _TORCH_DTYPES = None

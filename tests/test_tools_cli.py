@@ -146,7 +146,8 @@ def _foreign(t):
 @pytest.mark.parametrize("edit,name,finding", [
     (_drop_target, "x.safetensors", "missing targets (an adapter must cover all four projections of every block): "
                                     "1 [blocks.7.mlp.fc2]"),
-    (_nan, "x.safetensors", "tensors with NaN or Inf values: 1 [diffusion_model.blocks.3.attn.out_proj.lora_B.weight]"),
+    (_nan, "x.safetensors", "tensors with NaN or Inf values: 1 [diffusion_model.blocks.3.attn.out_proj.lora_B.weight: "
+                            "1 NaN and 0 Inf values of "),
     (_alpha, "x.safetensors", "alpha/rank disagreeing with __metadata__ training_scale 0.0625: 1 "
                               "[blocks.9.mlp.fc1: alpha 3 / rank 4 = 0.75]"),
     (_foreign, "x.safetensors", "also targets modules outside the 208 block projections"),

@@ -117,6 +117,11 @@ def sha256_file(path: str, progress: Callable[[int], None] | None = None, chunk:
 def verify_release(root: str, show_progress: bool = True) -> tuple[list[str], dict]:
     """Check every file of ``root/manifest.json`` (size, then SHA-256, streamed). Returns (problems, summary); each
     problem names the file. CheckpointError when the manifest itself is missing or unreadable."""
+    if not os.path.exists(root):
+        raise CheckpointError(root, "does not exist (no such folder: check the path)",
+                              expected="a TurboH3 release folder holding manifest.json")
+    if not os.path.isdir(root):
+        raise CheckpointError(root, "is a file, not a folder", expected="a TurboH3 release folder holding manifest.json")
     man = os.path.join(root, "manifest.json")
     if not os.path.isfile(man):
         raise CheckpointError(root, "no manifest.json in this folder", expected="a TurboH3 release folder")

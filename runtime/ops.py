@@ -111,10 +111,10 @@ def kernel_blocker(m, x) -> str | None:
     return None
 
 
-def kernel_forward(m, x, path, lora=None):
-    """y = dispatch.linear(x * pre_quant_scale, prepared(weight), path) + bias; ``prepared`` is cached
-    per weight object (core's weight patching replaces the Parameter, which re-prepares). ``lora``:
-    (A, Bc, coef, blocks, amax_a, key) -> ``dispatch.linear_with_lora`` (only without pre_quant_scale)."""
+def prepared(m, path: str):
+    """The layer's prepared weight for ``path`` (made at the first call, cached per weight object, storage, path and
+    weight mode in ``m._h3_cache``; core's weight patching replaces the Parameter, which re-prepares). The one cache
+    every user of a layer's prepared weight goes through (:func:`kernel_forward`, the fused block)."""
     from ..kernels import dispatch
 
     w = m.weight
@@ -125,6 +125,16 @@ def kernel_forward(m, x, path, lora=None):
         packed = dispatch.PackedNVFP4(w._qdata, p.block_scale, p.scale, m.out_features, m.in_features)
         m._h3_cache = None            # the old prepared copy goes before the new one is made (peak memory)
         m._h3_cache = (key, dispatch.prepare(packed, path, lean=lean))
+    return m._h3_cache[1]
+
+
+def kernel_forward(m, x, path, lora=None):
+    """y = dispatch.linear(x * pre_quant_scale, prepared(weight), path) + bias; ``prepared`` is cached
+    per weight object (core's weight patching replaces the Parameter, which re-prepares). ``lora``:
+    (A, Bc, coef, blocks, amax_a, key) -> ``dispatch.linear_with_lora`` (only without pre_quant_scale)."""
+    from ..kernels import dispatch
+
+    prep = prepared(m, path)
     pqs = getattr(m, "pre_quant_scale", None)
     if pqs is not None:
         x = x * pqs.to(device=x.device, dtype=x.dtype)
@@ -133,9 +143,9 @@ def kernel_forward(m, x, path, lora=None):
         bias = bias.to(device=x.device, dtype=x.dtype)
     if lora is not None:
         a, bc, coef, blocks, amax_a, key = lora
-        return dispatch.linear_with_lora(x, m._h3_cache[1], path, a, bc, coef, blocks, bias=bias, amax_a=amax_a,
+        return dispatch.linear_with_lora(x, prep, path, a, bc, coef, blocks, bias=bias, amax_a=amax_a,
                                          fold_key=key)
-    return dispatch.linear(x, m._h3_cache[1], path, bias)
+    return dispatch.linear(x, prep, path, bias)
 
 
 def _release_workspace_on_detach(patcher, unpatch_all=True) -> None:

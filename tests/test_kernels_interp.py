@@ -468,9 +468,18 @@ def test_fp8_lean_and_resident_outputs_bit_identical_with_and_without_turbo(tk, 
     assert (route_res, route_lean) == ("fp8_slot", "fp8_lean_fold")
     assert same(y_res, y_lean)
     assert rel(y_res, path.kernel_linear(x, lean)) > 5e-2                  # the LoRA is really in there
+    # the operands a fused caller takes (weight_operands): the same bytes in both modes, with and without the LoRA
+    w_r, s_r = path.weight_operands(res, "cpu", lo)
+    w_l, s_l = path.weight_operands(lean, "cpu", lo)
+    assert torch.equal(w_r[:n].view(torch.uint8), w_l[:n].view(torch.uint8)) and torch.equal(s_r[:, :n], s_l[:, :n])
+    with pytest.raises(ValueError, match="fold_key"):
+        path.weight_operands(lean, "cpu", paths_base.LoRAOperands(A, Bc.contiguous(), 0.5, n // blocks))
     fp8_path.set_state(res, None, None)                                    # Turbo off: the base again
     assert same(path.kernel_linear(x, res), path.kernel_linear(x, lean))
-    assert lean.refolds == 0 and res.refolds == 2
+    w_r, s_r = path.weight_operands(res, "cpu")
+    w_l, s_l = path.weight_operands(lean, "cpu")
+    assert torch.equal(w_r[:n].view(torch.uint8), w_l[:n].view(torch.uint8)) and torch.equal(s_r, s_l)
+    assert lean.refolds == 0 and res.refolds == 2      # one fold, one restore: the same key needs no refold
 
 
 def test_exact_prepares_no_copy_and_reads_the_native_storage(tk):

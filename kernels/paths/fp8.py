@@ -102,27 +102,31 @@ class FP8Path(ComputePath):
             set_state(p, None, None)
         return (p.w8[:n].float() * p.sw[0, :n, None]).to(dtype)
 
-    def weight_operands(self, p: PreparedFP8, device) -> tuple[torch.Tensor, torch.Tensor]:
-        """The base weight as ``torch._scaled_mm`` takes it: (w8 e4m3 [Npad16, K], sw fp32 [1, Npad16]). Resident:
-        the layer's own copy (the base is restored first if a Turbo fold occupies it); lean: derived now into
-        the reused per-device buffer (valid until the next lean call on this device; Triton)."""
+    def weight_operands(self, p: PreparedFP8, device, lora: LoRAOperands | None = None) -> tuple[torch.Tensor,
+                                                                                                torch.Tensor]:
+        """The weight as ``torch._scaled_mm`` takes it: (w8 e4m3 [Npad16, K], sw fp32 [1, Npad16]) of the base
+        (``lora`` None) or of W + scale * Bc @ A (``lora`` with a ``fold_key``; its nb must suit
+        :func:`triton_nvfp4.fold_bn`). Resident: the layer's own slot, switched as :meth:`lora` switches it;
+        lean: derived now into the reused per-device buffer (valid until the next lean call on this device; Triton).
+        The same bytes in both modes. ValueError for a LoRA without a fold key."""
+        if lora is not None and lora.fold_key is None:
+            raise ValueError("fp8 weight_operands: a LoRA needs a fold_key (the slot it occupies)")
+        lt = None if lora is None else (lora.a, lora.bc, float(lora.scale), lora.nb, lora.amax_a)
         if not p.lean:
-            if p.state is not None:
-                set_state(p, None, None)
+            set_state(p, None if lora is None else (lora.fold_key, float(lora.scale)), lt)
             return p.w8, p.sw
         from .. import triton_nvfp4 as tk
         pk = p.packed
         n, k = p.out_features, p.in_features
         npad = p.sw.shape[1]
         w = base.scratch(device, torch.float8_e4m3fn, npad * k).view(npad, k)
-        tk.fold_weight(pk.qdata, pk.block_scale, pk.global_scale.float().reshape(1).to(device), n, k, w,
-                       inv_w=p.inv_w)
-        return w, p.sw
-
-    def linear(self, x2d, p: PreparedFP8):
-        if p.state is not None:
-            set_state(p, None, None)   # a Turbo LoRA was folded in by an earlier call: back to the base
-        return super().linear(x2d, p)
+        gs = pk.global_scale.float().reshape(1).to(device)
+        if lt is None:
+            tk.fold_weight(pk.qdata, pk.block_scale, gs, n, k, w, inv_w=p.inv_w)
+            return w, p.sw
+        so = base.scratch(device, torch.float32, npad)
+        tk.fold_weight(pk.qdata, pk.block_scale, gs, n, k, w, lora=lt, amax_w=p.amax_w, scale_out=so)
+        return w, so.view(1, npad)
 
     def kernel_linear(self, x2d: torch.Tensor, p: PreparedFP8) -> torch.Tensor:
         if p.lean:

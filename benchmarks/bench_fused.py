@@ -208,6 +208,15 @@ def kernels_part():
             out = {"ms_unfused": t_un, "ms_fused": t_fu, "speedup": t_un / t_fu, "bytes_min": bytes_,
                    "gbps_fused": bytes_ / t_fu / 1e6, **acc_fp8(y8, sy, h64),
                    "unfused_rel_l2_vs_fp64": rel(u8[sample].float() * su[sample], h64)}
+            nw0 = fk.SETTINGS["norm_warps"]
+            for nw in ((4, 8, 16, 32) if CUDA else ()):   # launch-setting sweep (the default is norm_warps)
+                fk.SETTINGS["norm_warps"] = nw
+                try:
+                    out[f"ms_fused_warps{nw}"] = bench(lambda: fk.norm_mod(x, w, 1e-5, sh, sc, rows))
+                except Exception as e:  # noqa: BLE001
+                    out[f"ms_fused_warps{nw}"] = f"{type(e).__name__}: {e}"[:200]
+                finally:
+                    fk.SETTINGS["norm_warps"] = nw0
             return out
 
         def k_res_norm_mod():
@@ -369,34 +378,46 @@ def block_inputs(s):
     return x, t_emb, segments(s), rope
 
 
+#: kernel-name rules of benchmarks/bench_denoiser.py's profile (GEMM / attention; everything else counts as
+#: non-GEMM non-attention); the attention backends' own q/k/v casts and amax reductions count as "other" here
+ATTN_KEYS = ("flash", "fmha", "sdpa", "attn", "attention", "softmax", "_quant_kv", "_quant_q_kernel", "cudnn")
+GEMM_KEYS = ("gemm", "nvjet", "xmma", "cutlass", "cublas", "wgmma", "gemv", "matmul", "splitk")
+
+
+def kernel_category(name: str) -> str:
+    n = name.lower()
+    if any(k in n for k in ATTN_KEYS):
+        return "attention"
+    if any(k in n for k in GEMM_KEYS):
+        return "gemm"
+    return "other"
+
+
 def profile_categories(fn) -> dict:
-    """torch.profiler kernel time of one fn() call by category (ms)."""
+    """Kernel time (ms) of one fn() call by category, from the torch profiler's device events (DRY: top-level CPU
+    ops), plus the 25 largest kernels."""
+    from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
-    acts = [ProfilerActivity.CUDA] if CUDA else [ProfilerActivity.CPU]
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if CUDA else [])
+    sync()
     with profile(activities=acts) as prof:
         fn()
         sync()
     cats = {"gemm": 0.0, "attention": 0.0, "other": 0.0}
-    top = []
-    for e in prof.key_averages():
-        t = (e.self_device_time_total if CUDA else e.self_cpu_time_total) / 1e3
-        if t <= 0:
-            continue
-        n = e.key.lower()
-        if CUDA and e.key.startswith(("aten::", "cuda", "Memcpy", "Memset")) and "memcpy" not in n and "memset" not in n:
-            continue   # CPU-side op rows carry the device time of their kernels too: count kernels only
-        if any(p in n for p in ("gemm", "cutlass", "xmma", "scaled_mm", "nvjet", "matmul", "aten::mm", "aten::_scaled_mm",
-                                "addmm")):
-            c = "gemm"
-        elif any(p in n for p in ("flash", "fmha", "attention", "sdpa", "cudnn")):
-            c = "attention"
-        else:
-            c = "other"
-        cats[c] += t
-        top.append((round(t, 3), c, e.key[:120]))
-    top.sort(reverse=True)
-    cats["top"] = top[:25]
+    per: dict = {}
+    for e in prof.events():
+        dt = getattr(e, "device_type", None)
+        if (CUDA and dt == DeviceType.CUDA) or (not CUDA and dt == DeviceType.CPU and e.cpu_parent is None):
+            t = (e.time_range.end - e.time_range.start) / 1e3
+            c = kernel_category(e.name)
+            cats[c] += t
+            q = per.setdefault(e.name[:140], [0.0, 0, c])
+            q[0] += t
+            q[1] += 1
+    cats = {k: round(v, 3) for k, v in cats.items()}
+    cats["top"] = [{"name": k, "ms": round(v[0], 3), "calls": v[1], "category": v[2]}
+                   for k, v in sorted(per.items(), key=lambda kv: -kv[1][0])[:25]]
     return cats
 
 

@@ -130,13 +130,12 @@ if triton is not None:
         seg = tl.load(seg_ptr + row).to(tl.int64)
         offs = tl.arange(0, BLOCK)
         m = offs < K
-        xdt: tl.constexpr = x_ptr.dtype.element_ty
         x = tl.load(x_ptr + row * stride_x + offs, mask=m, other=0.0).to(tl.float32)
         if HAS_RES:
             o = tl.load(o_ptr + row * stride_o + offs, mask=m, other=0.0).to(tl.float32)
-            g = _round(tl.load(g_ptr + seg * stride_g + offs, mask=m, other=0.0).to(tl.float32), xdt,
-                       INTERP).to(tl.float32)
-            xn = _round(x + o * g, xdt, INTERP)
+            g = _round(tl.load(g_ptr + seg * stride_g + offs, mask=m, other=0.0).to(tl.float32),
+                       x_ptr.dtype.element_ty, INTERP).to(tl.float32)
+            xn = _round(x + o * g, x_ptr.dtype.element_ty, INTERP)
             tl.store(x_ptr + row * stride_x + offs, xn, mask=m)
             x = xn.to(tl.float32)
         ms = tl.sum(x * x, axis=0) / K
@@ -201,11 +200,11 @@ if triton is not None:
         offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         m = offs < K
         seg = tl.load(seg_ptr + row).to(tl.int64)
-        xdt: tl.constexpr = x_ptr.dtype.element_ty
         x = tl.load(x_ptr + row * stride_x + offs, mask=m, other=0.0).to(tl.float32)
         o = tl.load(o_ptr + row * stride_o + offs, mask=m, other=0.0).to(tl.float32)
-        g = _round(tl.load(g_ptr + seg * stride_g + offs, mask=m, other=0.0).to(tl.float32), xdt, INTERP).to(tl.float32)
-        tl.store(x_ptr + row * stride_x + offs, _round(x + o * g, xdt, INTERP), mask=m)
+        g = _round(tl.load(g_ptr + seg * stride_g + offs, mask=m, other=0.0).to(tl.float32), x_ptr.dtype.element_ty,
+                   INTERP).to(tl.float32)
+        tl.store(x_ptr + row * stride_x + offs, _round(x + o * g, x_ptr.dtype.element_ty, INTERP), mask=m)
 
 
 def _need_triton(where: str, *ts: torch.Tensor) -> None:

@@ -10,6 +10,7 @@ Candidates are timed like exact's SDPA candidates (CUDA events, best of 2 after 
 with each candidate's cosine, time and rejection reason, is cached per bucket and logged once (WARNING when none
 passes: exact then runs that bucket). Later calls of the bucket run the chosen backend's override directly. What
 the gate measures is one call's inputs: a later call in the same bucket with other statistics is not re-checked.
+``calls`` counts the calls an 8-bit candidate ran, ``by_backend`` every call by the backend that ran it.
 ``exact`` stays what the node's ``auto`` runs.
 """
 from __future__ import annotations
@@ -70,7 +71,8 @@ class Auto8Attention:
         self.cos_min = float(cos_min)
         self.devices = tuple(devices)
         self.choices: dict = {}
-        self.calls: dict[str, int] = {}
+        self.calls = 0
+        self.by_backend: dict[str, int] = {}
 
     def candidates(self, device) -> dict[str, Callable]:
         if self._candidates is not None:
@@ -126,16 +128,17 @@ class Auto8Attention:
         call = parse_core_call(args, kwargs, self.devices)
         if isinstance(call, str):
             log_once(("attention", NAME, call), "H3 Turbo attention 'auto8': %s -> exact attention", call)
-            self.calls["exact"] = self.calls.get("exact", 0) + 1
+            self.by_backend["exact"] = self.by_backend.get("exact", 0) + 1
             return self.exact(func, *args, **kwargs)
         key = exact.shape_key(call.q, call.k)
         ch = self.choices.get(key)
         if ch is None:
             ch = self._choose(key, func, args, kwargs, call)
             # the measurement already computed exact's output once; run the choice for this call's result
-        self.calls[ch.backend] = self.calls.get(ch.backend, 0) + 1
+        self.by_backend[ch.backend] = self.by_backend.get(ch.backend, 0) + 1
         if ch.backend == "exact":
             return self.exact(func, *args, **kwargs)
+        self.calls += 1
         return self.candidates(call.q.device)[ch.backend](func, *args, **kwargs)
 
 
@@ -152,8 +155,11 @@ class Auto8Backend(AttentionBackend):
                ">= 0.998 against exact on the first call of each shape (measured once, logged); else exact.")
     approximate = True
     fallback = "exact"
-    # the CPU check: no 8-bit candidate runs its own path there, so every call is exact's
-    tolerance = Tolerance(rel_l2=1e-6, cos_min=1.0 - 1e-9, dtype=torch.float32)
+    # the CPU check: the choice among int8_sage (Triton interpreted) and cudnn_fp8 (its eager model) on CPU tensors;
+    # both pass the gate there, so the bound is the looser of the two candidates' own bounds
+    tolerance = Tolerance(rel_l2=0.10, cos_min=0.995, dtype=torch.bfloat16)
+    reference_dtype = torch.float32
+    cpu_env = {"TRITON_INTERPRET": "1"}
 
     def supports(self, device):
         dev = torch.device(device)
@@ -168,8 +174,20 @@ class Auto8Backend(AttentionBackend):
         super().apply(patcher)
 
     def cpu_override(self) -> Auto8Attention:
-        return Auto8Attention(candidates={}, exact_override=exact.cpu_exact(), timer=lambda fn: (fn(), 1.0)[1],
-                              devices=("cpu",))
+        """The chooser on CPU tensors: candidates the CPU overrides of ``cudnn_fp8`` (eager model) and ``int8_sage``
+        (needs ``TRITON_INTERPRET=1``), reference :func:`.exact.cpu_exact`, a timer that counts wall time."""
+        import time
+
+        from . import cudnn_fp8, int8_sage
+
+        def wall(fn):
+            t = time.perf_counter()
+            fn()
+            return time.perf_counter() - t
+
+        return Auto8Attention(candidates={"cudnn_fp8": cudnn_fp8.BACKEND.cpu_override(),
+                                          "int8_sage": int8_sage.BACKEND.cpu_override()},
+                              exact_override=exact.cpu_exact(), timer=wall, devices=("cpu",))
 
 
 BACKEND = Auto8Backend()

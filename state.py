@@ -170,6 +170,10 @@ ATTENTION_CHOOSER = Slot("attention_chooser", describe=lambda d: {
 ATTENTION_EXACT = Slot("attention_exact")
 #: the process-wide ``int8_sage`` override (:func:`~h3_turbo.kernels.attention.int8_sage.int8_override`)
 ATTENTION_INT8 = Slot("attention_int8_sage")
+#: the process-wide ``cudnn_fp8`` override (:func:`~h3_turbo.kernels.attention.cudnn_fp8.cudnn_fp8_override`)
+ATTENTION_CUDNN_FP8 = Slot("attention_cudnn_fp8")
+#: the process-wide ``auto8`` override (:func:`~h3_turbo.kernels.attention.auto8.auto8_override`: its choices)
+ATTENTION_AUTO8 = Slot("attention_auto8")
 #: (device, BLOCK_N) -> the [16, BLOCK_N] e4m3 ones tile of the 8-bit kernel's tensor-core row sum
 ATTENTION_FP8_ONES = Store("attention_fp8_ones")
 

@@ -342,6 +342,23 @@ class TurboBranch:
                 slot["h"] = y
             return y
 
+        if fused is not None and slot is None:
+            def lora_operands(x):
+                """For a caller that computes this layer itself from its own copy of ``x`` (``runtime.fused_block``):
+                (A, Bc, coef, blocks, amax_a, key) when the fused route would serve ``x``, else None. The caller
+                then calls :func:`count` once it computed base + branch."""
+                if not live[0] or not fusable(x):
+                    return None
+                ops = fused_operands(p, x)
+                return None if ops is None else (ops[0], ops[1], coef, splits, ops[2], ops[3])
+
+            def count():
+                counts_ref.fused_calls += 1
+                counts_ref.counts[idx] += 1
+                counts_ref.run_counts[idx] += 1
+
+            turbo_lora_forward.h3turbo_lora_operands = lora_operands
+            turbo_lora_forward.h3turbo_count = count
         return turbo_lora_forward
 
     def _inject_mlp_level(self, dm, block, p, idx, coef, slot, live) -> None:

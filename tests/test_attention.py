@@ -19,6 +19,11 @@ from h3_turbo.kernels import attention as R
 from h3_turbo.kernels.attention import exact as A
 from h3_turbo.kernels.attention import int8_sage
 from h3_turbo.kernels.attention.reference import reference_attention, rel_l2
+from h3_turbo.kernels.attention import cudnn_fp8 as _cudnn_fp8
+
+#: the node's combo: cudnn_fp8 only where nvidia-cudnn-frontend imports (issue 21)
+EXPECTED_CHOICES = ["auto", "exact", "sdpa_core", "int8_sage"] + (["cudnn_fp8"] if _cudnn_fp8.frontend() else []) \
+    + ["auto8"]
 
 
 # ---------------------------------------------------------------- pure helpers
@@ -28,7 +33,7 @@ def test_resolve_backend_and_buckets():
     assert R.resolve("exact") == "exact"
     assert R.resolve("sdpa_core") == "sdpa_core"
     assert R.resolve("int8_sage") == "int8_sage"
-    with pytest.raises(ValueError, match=r"unknown backend 'sage'.*\['auto', 'exact', 'sdpa_core', 'int8_sage'\]"):
+    with pytest.raises(ValueError, match=r"unknown backend 'sage'.*" + re.escape(str(EXPECTED_CHOICES))):
         R.resolve("sage")
     assert [A.length_bucket(n) for n in (1, 2, 3, 300, 19584, 32768, 32769, 37632, 109000)] == \
         [1, 2, 4, 512, 32768, 32768, 65536, 65536, 131072]
@@ -250,6 +255,8 @@ OLD_NODE_DESCRIPTION = (
     "GPU at first use (cuDNN on Hopper); core's path on CPU. sdpa_core: core's PyTorch attention (FA2 first), "
     "for comparison. int8_sage: 8-bit attention (INT8 Q.K, FP8 P.V; approximate, ~4% relative error per call, "
     "cosine >= 0.999; about 1.3x faster than exact on an H200); needs a GPU with FP8 (sm_89+), else exact.")
+#: issue 21 appended the new backends' sentences (their summaries) after the old description
+OLD_NODE_DESCRIPTION += "".join(f" {n}: {R.get(n).summary}" for n in EXPECTED_CHOICES[4:])
 WITH_FALLBACK = [b.name for b in R.backends() if b.fallback is not None]
 WITHOUT_FALLBACK = [b.name for b in R.backends() if b.fallback is None]
 
@@ -271,13 +278,13 @@ from test_attention_int8 import _Core  # noqa: E402  (one stand-in for core's at
 
 def test_registry_names_order_and_resolve():
     # saved workflows store these strings: the order and the names are part of the node's interface
-    assert R.choices() == ["auto", "exact", "sdpa_core", "int8_sage"]
+    assert R.choices() == EXPECTED_CHOICES
     assert R.choices() == [R.AUTO, *R.names()] and R.names() == tuple(b.name for b in R.backends())
     assert R.get("auto") is R.get("exact") is A.BACKEND and R.get("int8_sage") is int8_sage.BACKEND
-    assert [b.approximate for b in R.backends()] == [False, False, True]
+    assert [b.approximate for b in R.backends()] == [False, False] + [True] * (len(EXPECTED_CHOICES) - 3)
     assert not R.get(R.resolve(R.AUTO)).approximate                  # auto never picks an approximate backend
     with pytest.raises(ValueError, match=r"^H3TurboAttention: unknown backend 'int8'; expected one of "
-                                         r"\['auto', 'exact', 'sdpa_core', 'int8_sage'\]$"):
+                                         + re.escape(str(EXPECTED_CHOICES)) + "$"):
         R.get("int8")
     assert R.description() == OLD_NODE_DESCRIPTION
 
@@ -307,7 +314,7 @@ def test_register_extends_the_combo_and_checks_the_backend():
                 R.register(bad)
     finally:
         R.unregister("fake_test")
-    assert R.choices() == ["auto", "exact", "sdpa_core", "int8_sage"]
+    assert R.choices() == EXPECTED_CHOICES
     with pytest.raises(ValueError, match="unknown backend 'fake_test'"):
         R.resolve("fake_test")
 
@@ -486,7 +493,7 @@ def test_node_schema_comes_from_the_registry(comfy):
     assert (sch.node_id, sch.display_name, sch.category) == ("H3TurboAttention", "H3 Turbo Attention", "H3 Turbo")
     assert [i.id for i in sch.inputs] == ["model", "backend"]
     combo = sch.inputs[1]
-    assert combo.options == R.choices() == ["auto", "exact", "sdpa_core", "int8_sage"] and combo.default == "auto"
+    assert combo.options == R.choices() == EXPECTED_CHOICES and combo.default == "auto"
     assert sch.description == OLD_NODE_DESCRIPTION
 
     applied = []

@@ -107,6 +107,11 @@ class AttentionBackend:
     cpu_env: Mapping[str, str] = {}
     needs_comfy: bool = False
 
+    def available(self) -> tuple[bool, str]:
+        """(True, "") if the backend can be offered in this process at all (its optional dependency imports); else
+        (False, why): the registry then leaves it out of the combo and logs why once. Default: always."""
+        return True, ""
+
     def supports(self, device: torch.device | str) -> tuple[bool, str]:
         """(True, "") if the installed override runs this backend's own path for inputs on ``device``;
         else (False, the reason it logs when it hands such a call to its fallback)."""

@@ -16,7 +16,7 @@ from .base import AttentionBackend
 
 AUTO = "auto"
 DEFAULT = "exact"                                   # what ``auto`` runs on every device
-MODULES: tuple[str, ...] = ("exact", "sdpa_core", "int8_sage")
+MODULES: tuple[str, ...] = ("exact", "sdpa_core", "int8_sage", "cudnn_fp8", "auto8")
 
 _BACKENDS: dict[str, AttentionBackend] = {}
 
@@ -98,6 +98,16 @@ def apply(model, name: str):
     return m
 
 
+#: backends of :data:`MODULES` left out of the combo because :meth:`~.base.AttentionBackend.available` said no:
+#: {name: reason} (each logged once at import)
+UNAVAILABLE: dict[str, str] = {}
+
 for _module in MODULES:
-    register(importlib.import_module(f".{_module}", __package__).BACKEND)
-del _module
+    _b = importlib.import_module(f".{_module}", __package__).BACKEND
+    _ok, _why = _b.available()
+    if _ok:
+        register(_b)
+    else:
+        UNAVAILABLE[_b.name] = _why
+        log.info("H3TurboAttention: backend %r not offered: %s", _b.name, _why)
+del _module, _b, _ok, _why

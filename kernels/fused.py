@@ -1,0 +1,432 @@
+"""Fused elementwise producers of a DiT block for the ``fp8`` compute path (issue 21), with eager references.
+
+The ``fp8`` path's activation format is e4m3 with one fp32 scale per row: ``sx = amax(|row|) / 448`` (rows of
+zeros: ``1/448``), ``x8 = e4m3_rne(clamp(x * 448 / amax, +-448))`` (:func:`.nvfp4_ref.quantize_rows_fp8`, the
+formula of ``triton_nvfp4.quant_rows_fp8``). The kernels below write that format straight from the data they
+already hold, instead of writing bf16 and quantizing it in a separate pass:
+
+- :func:`norm_mod` (a): ``h = rms_norm(x) * w * (1 + scale[seg(r)]) + shift[seg(r)]`` per row r, computed in
+  fp32 from x's values (no bf16 rounding between the steps), written as e4m3 + row scales (``out="fp8"``) or
+  rounded once to x's dtype (``out="bf16"``). With ``residual=(other, gate)`` it first updates the stream in
+  place, ``x[r] = round(x[r] + other[r] * gate[seg(r)])`` (bit-identical to core's ``addcmul_`` on bf16, see
+  :func:`gate_residual_`), and normalizes the updated row: one pass for "gated residual + next norm +
+  modulation + quantization".
+- :func:`swiglu` (b): ``a = silu(h[:, :F]) * h[:, F:]`` (core's ``INPUT_ACT_EAGER["swiglu"]`` convention: gate
+  first, then up), in fp32, written as e4m3 + row scales for fc2.
+- :func:`gate_residual_` (c): ``x[r] = round(x[r] + other[r] * gate[seg(r)])`` in place: fp32 product of two
+  values of x's dtype (exact) plus x, one rounding: the arithmetic of core's per-segment
+  ``x[a:b].addcmul_(other[a:b], gate[row].to(x.dtype))``; one launch for all segments.
+- :func:`fp8_gemm`: rowwise ``torch._scaled_mm`` on an already quantized input (the ``fp8`` path's GEMM without
+  its quantization pass); :func:`fp8_gemm_ref` its fp32 emulation.
+
+Segments (core's ``mod_segments``): ``[(start, stop, mod_row)]`` covering rows ``0..M`` contiguously in order;
+:func:`segment_rows` turns them into an int32 row -> modulation-row index (validated, cached).
+
+Inputs: x / other / h bf16 or fp16, 2-D with unit column stride (row strides free); ``w`` [K] any float dtype;
+shift / scale / gate [R, K] (row stride free: core's AdaLN chunks are column slices of one [R, 6K] tensor).
+Every wrapper raises ValueError naming the argument on a shape/dtype/device mismatch. The Triton kernels run on
+CUDA; on a CPU only under ``TRITON_INTERPRET=1`` (the tests). The ``*_ref`` functions are the eager references
+(float64 by default), the ``EAGER`` ops (:class:`EagerOps`) their fp32 counterparts the fused block runs on a
+CPU in tests. Measured bounds and GPU status: docs/kernels.md, "Fused producers".
+"""
+from __future__ import annotations
+
+import os
+from typing import Sequence
+
+import torch
+
+from . import nvfp4_ref as ref
+
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+E4M3 = torch.float8_e4m3fn
+FP8_MAX = 448.0
+_ACT_DTYPES = (torch.bfloat16, torch.float16)
+
+#: launch settings (benchmarks/bench_fused.py sweeps them on the GPU); ``None`` entries are derived per call
+SETTINGS = {
+    "norm_warps": 16,        # rows of K <= 8192 elements held in registers by one program
+    "swiglu_block": 2048,    # chunk of the two-pass SwiGLU (re-reads the row from L2 for the quantization)
+    "swiglu_one_pass": False,  # True: the whole row in registers (BLOCK = next_pow2(F)), one read
+    "swiglu_warps": 8,
+    "gate_block": 2048,
+    "gate_warps": 4,
+}
+MAX_ROW = 16384              # widest row norm_mod / gate_residual_ keep in registers (H3: 5376)
+
+try:
+    import triton
+    import triton.language as tl
+
+    from .triton_interp import rne_bf16, rne_e4m3, rne_f16
+    _TRITON_ERROR = None
+except Exception as e:  # noqa: BLE001 - no Triton: the wrappers raise, the eager ops still work
+    triton = None
+    _TRITON_ERROR = f"{type(e).__name__}: {e}"
+
+
+# --------------------------------------------------------------------------- segments
+
+_SEG_CACHE: dict = {}
+
+
+def segment_rows(segments: Sequence[tuple[int, int, int]], m: int, device) -> torch.Tensor:
+    """int32 [m] on ``device``: entry r = the modulation row of the segment holding row r.
+
+    ``segments``: core's ``mod_segments`` [(start, stop, mod_row)], contiguous from 0 to ``m`` in order (ValueError
+    otherwise, naming the first bad segment). Cached per (segments, m, device) (at most 64 entries)."""
+    key = (tuple((int(a), int(b), int(r)) for a, b, r in segments), int(m), str(device))
+    hit = _SEG_CACHE.get(key)
+    if hit is not None:
+        return hit
+    pos = 0
+    for i, (a, b, r) in enumerate(key[0]):
+        if a != pos or b < a or r < 0:
+            raise ValueError(f"mod_segments[{i}] = {(a, b, r)}: segments must cover rows 0..{m} contiguously in "
+                             f"order with mod_row >= 0 (expected a start of {pos})")
+        pos = b
+    if pos != m:
+        raise ValueError(f"mod_segments cover rows 0..{pos}, but the activation has {m} rows")
+    idx = torch.empty(m, dtype=torch.int32)
+    for a, b, r in key[0]:
+        idx[a:b] = r
+    idx = idx.to(device)
+    if len(_SEG_CACHE) >= 64:
+        _SEG_CACHE.clear()
+    _SEG_CACHE[key] = idx
+    return idx
+
+
+# --------------------------------------------------------------------------- Triton kernels
+
+if triton is not None:
+    @triton.jit
+    def _round(v, dt: tl.constexpr, INTERP: tl.constexpr):
+        """fp32 -> dt (bf16/fp16/fp32) rounded to nearest even, returned as dt (the interpreter truncates
+        fp32 -> bf16/fp16 casts, so the value is put on the grid first there)."""
+        if INTERP:
+            if dt == tl.bfloat16:
+                v = rne_bf16(v)
+            elif dt == tl.float16:
+                v = rne_f16(v)
+        return v.to(dt)
+
+    @triton.jit
+    def _e4m3(v, dt: tl.constexpr, INTERP: tl.constexpr):
+        """fp32 (|v| <= 448) -> e4m3 rounded to nearest even."""
+        if INTERP:
+            v = rne_e4m3(v)
+        return v.to(dt)
+
+    @triton.jit
+    def _norm_mod_kernel(x_ptr, o_ptr, g_ptr, w_ptr, sh_ptr, sc_ptr, seg_ptr, y_ptr, s_ptr,
+                         K, eps, stride_x, stride_o, stride_g, stride_sh, stride_sc, stride_y,
+                         HAS_RES: tl.constexpr, FP8_OUT: tl.constexpr, BLOCK: tl.constexpr,
+                         INTERP: tl.constexpr):
+        """One row r: [x[r] = round(x[r] + o[r] * round_x(g[seg]))]; h = x[r] * rsqrt(mean(x[r]^2) + eps) * w *
+        (1 + sc[seg]) + sh[seg] in fp32; y[r] = e4m3(h * 448 / amax) with s[r] = amax / 448 (FP8_OUT) or
+        y[r] = round(h) in y's dtype."""
+        row = tl.program_id(0).to(tl.int64)
+        seg = tl.load(seg_ptr + row).to(tl.int64)
+        offs = tl.arange(0, BLOCK)
+        m = offs < K
+        x = tl.load(x_ptr + row * stride_x + offs, mask=m, other=0.0).to(tl.float32)
+        if HAS_RES:
+            o = tl.load(o_ptr + row * stride_o + offs, mask=m, other=0.0).to(tl.float32)
+            g = _round(tl.load(g_ptr + seg * stride_g + offs, mask=m, other=0.0).to(tl.float32),
+                       x_ptr.dtype.element_ty, INTERP).to(tl.float32)
+            xn = _round(x + o * g, x_ptr.dtype.element_ty, INTERP)
+            tl.store(x_ptr + row * stride_x + offs, xn, mask=m)
+            x = xn.to(tl.float32)
+        ms = tl.sum(x * x, axis=0) / K
+        rstd = 1.0 / tl.sqrt(ms + eps)
+        w = tl.load(w_ptr + offs, mask=m, other=0.0).to(tl.float32)
+        sc = tl.load(sc_ptr + seg * stride_sc + offs, mask=m, other=0.0).to(tl.float32)
+        sh = tl.load(sh_ptr + seg * stride_sh + offs, mask=m, other=0.0).to(tl.float32)
+        h = (x * rstd) * w * (1.0 + sc) + sh
+        if FP8_OUT:
+            a = tl.max(tl.where(m, tl.abs(h), 0.0), axis=0)
+            a = tl.where(a > 0, a, 1.0)
+            q = tl.minimum(tl.maximum(h * (448.0 / a), -448.0), 448.0)
+            tl.store(y_ptr + row * stride_y + offs, _e4m3(q, y_ptr.dtype.element_ty, INTERP), mask=m)
+            tl.store(s_ptr + row, a / 448.0)
+        else:
+            tl.store(y_ptr + row * stride_y + offs, _round(h, y_ptr.dtype.element_ty, INTERP), mask=m)
+
+    @triton.jit
+    def _silu_mul(g, u):
+        return g / (1.0 + tl.exp(-g)) * u
+
+    @triton.jit
+    def _swiglu_kernel(h_ptr, y_ptr, s_ptr, F, stride_h, stride_y,
+                       ONE_PASS: tl.constexpr, BLOCK: tl.constexpr, INTERP: tl.constexpr):
+        """One row r: a = silu(h[r, :F]) * h[r, F:2F] in fp32; y[r] = e4m3(a * 448 / amax), s[r] = amax / 448.
+        ONE_PASS: the row in registers (BLOCK >= F); else two passes in BLOCK chunks (amax, then quantize)."""
+        row = tl.program_id(0).to(tl.int64)
+        offs = tl.arange(0, BLOCK)
+        base = h_ptr + row * stride_h
+        if ONE_PASS:
+            m = offs < F
+            g = tl.load(base + offs, mask=m, other=0.0).to(tl.float32)
+            u = tl.load(base + F + offs, mask=m, other=0.0).to(tl.float32)
+            act = _silu_mul(g, u)
+            a = tl.max(tl.abs(act), axis=0)
+            a = tl.where(a > 0, a, 1.0)
+            q = tl.minimum(tl.maximum(act * (448.0 / a), -448.0), 448.0)
+            tl.store(y_ptr + row * stride_y + offs, _e4m3(q, y_ptr.dtype.element_ty, INTERP), mask=m)
+        else:
+            amax = tl.zeros((BLOCK,), dtype=tl.float32)
+            for k0 in range(0, F, BLOCK):
+                m = (k0 + offs) < F
+                g = tl.load(base + k0 + offs, mask=m, other=0.0).to(tl.float32)
+                u = tl.load(base + F + k0 + offs, mask=m, other=0.0).to(tl.float32)
+                amax = tl.maximum(amax, tl.abs(_silu_mul(g, u)))
+            a = tl.max(amax, axis=0)
+            a = tl.where(a > 0, a, 1.0)
+            inv = 448.0 / a
+            for k0 in range(0, F, BLOCK):
+                m = (k0 + offs) < F
+                g = tl.load(base + k0 + offs, mask=m, other=0.0).to(tl.float32)
+                u = tl.load(base + F + k0 + offs, mask=m, other=0.0).to(tl.float32)
+                q = tl.minimum(tl.maximum(_silu_mul(g, u) * inv, -448.0), 448.0)
+                tl.store(y_ptr + row * stride_y + k0 + offs, _e4m3(q, y_ptr.dtype.element_ty, INTERP), mask=m)
+        tl.store(s_ptr + row, a / 448.0)
+
+    @triton.jit
+    def _gate_res_kernel(x_ptr, o_ptr, g_ptr, seg_ptr, K, stride_x, stride_o, stride_g,
+                         BLOCK: tl.constexpr, INTERP: tl.constexpr):
+        """x[r, c] = round(x[r, c] + o[r, c] * round_x(g[seg(r), c])) for one (row, BLOCK columns) tile."""
+        row = tl.program_id(0).to(tl.int64)
+        offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        m = offs < K
+        seg = tl.load(seg_ptr + row).to(tl.int64)
+        x = tl.load(x_ptr + row * stride_x + offs, mask=m, other=0.0).to(tl.float32)
+        o = tl.load(o_ptr + row * stride_o + offs, mask=m, other=0.0).to(tl.float32)
+        g = _round(tl.load(g_ptr + seg * stride_g + offs, mask=m, other=0.0).to(tl.float32), x_ptr.dtype.element_ty,
+                   INTERP).to(tl.float32)
+        tl.store(x_ptr + row * stride_x + offs, _round(x + o * g, x_ptr.dtype.element_ty, INTERP), mask=m)
+
+
+def _need_triton(where: str, *ts: torch.Tensor) -> None:
+    if triton is None:
+        raise RuntimeError(f"{where}: Triton is not importable ({_TRITON_ERROR})")
+    for t in ts:
+        if t.device.type != "cuda" and not INTERPRET:
+            raise ValueError(f"{where}: the Triton kernel runs on CUDA tensors (on a CPU only under "
+                             f"TRITON_INTERPRET=1); got a tensor on {t.device}")
+
+
+def _check_act(where: str, name: str, t: torch.Tensor, m: int | None = None, k: int | None = None) -> None:
+    if t.dim() != 2 or t.stride(1) != 1:
+        raise ValueError(f"{where}: {name} must be 2-D with unit column stride, got shape {tuple(t.shape)} "
+                         f"strides {t.stride()}")
+    if t.dtype not in _ACT_DTYPES:
+        raise ValueError(f"{where}: {name} must be bf16 or fp16, got {t.dtype}")
+    if (m is not None and t.shape[0] != m) or (k is not None and t.shape[1] != k):
+        raise ValueError(f"{where}: {name} has shape {tuple(t.shape)}, expected [{m}, {k}]")
+
+
+def _check_rows(where: str, name: str, t: torch.Tensor, k: int, nseg: int) -> None:
+    if t.dim() != 2 or t.shape[1] != k or t.stride(1) != 1 or t.shape[0] < nseg:
+        raise ValueError(f"{where}: {name} must be [>= {nseg}, {k}] with unit column stride, got shape "
+                         f"{tuple(t.shape)} strides {t.stride()}")
+
+
+def norm_mod(x: torch.Tensor, weight: torch.Tensor, eps: float, shift: torch.Tensor, scale: torch.Tensor,
+             rows: torch.Tensor, out: str = "fp8", residual: tuple[torch.Tensor, torch.Tensor] | None = None):
+    """RMSNorm + per-segment AdaLN modulation (+ optional gated residual first), Triton (kernel (a)).
+
+    x [M, K] bf16/fp16 (updated in place when ``residual`` is given); weight [K]; shift/scale [R, K];
+    rows int32 [M] (:func:`segment_rows`, values < R); ``residual`` = (other [M, K] of x's dtype, gate [R, K]).
+    Returns ``(y8 e4m3 [M, K], sx fp32 [M, 1])`` for ``out="fp8"`` or ``y`` [M, K] in x's dtype for ``out="bf16"``.
+    Formula: module docstring; eager reference :func:`norm_mod_ref`. K <= :data:`MAX_ROW`."""
+    where = "fused.norm_mod"
+    _need_triton(where, x)
+    _check_act(where, "x", x)
+    m, k = x.shape
+    if k > MAX_ROW:
+        raise ValueError(f"{where}: rows of {k} elements exceed MAX_ROW={MAX_ROW}")
+    if out not in ("fp8", "bf16"):
+        raise ValueError(f"{where}: out={out!r}, expected 'fp8' or 'bf16'")
+    if weight.shape != (k,):
+        raise ValueError(f"{where}: weight shape {tuple(weight.shape)} != ({k},)")
+    if rows.dtype != torch.int32 or rows.shape != (m,):
+        raise ValueError(f"{where}: rows must be int32 [{m}], got {rows.dtype} {tuple(rows.shape)}")
+    nseg = 1
+    for name, t in (("shift", shift), ("scale", scale)):
+        _check_rows(where, name, t, k, nseg)
+    if residual is not None:
+        other, gate = residual
+        _check_act(where, "other", other, m, k)
+        if other.dtype != x.dtype:
+            raise ValueError(f"{where}: other dtype {other.dtype} != x dtype {x.dtype}")
+        _check_rows(where, "gate", gate, k, nseg)
+    else:
+        other = gate = x
+    weight = weight.contiguous()
+    if out == "fp8":
+        y = torch.empty((m, k), device=x.device, dtype=E4M3)
+        s = torch.empty((m, 1), device=x.device, dtype=torch.float32)
+    else:
+        y = torch.empty((m, k), device=x.device, dtype=x.dtype)
+        s = y
+    if m:
+        _norm_mod_kernel[(m,)](x, other, gate, weight, shift, scale, rows, y, s, k, float(eps),
+                               x.stride(0), other.stride(0), gate.stride(0), shift.stride(0), scale.stride(0),
+                               y.stride(0), HAS_RES=residual is not None, FP8_OUT=out == "fp8",
+                               BLOCK=triton.next_power_of_2(k), INTERP=INTERPRET,
+                               num_warps=4 if INTERPRET else SETTINGS["norm_warps"])
+    return (y, s) if out == "fp8" else y
+
+
+def swiglu(h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """SwiGLU -> fc2's fp8 input (kernel (b)): h [M, 2F] bf16/fp16 (gate columns first, then up) ->
+    ``(a8 e4m3 [M, F], sa fp32 [M, 1])`` with a = silu(gate) * up in fp32. Eager reference :func:`swiglu_ref`."""
+    where = "fused.swiglu"
+    _need_triton(where, h)
+    _check_act(where, "h", h)
+    m, f2 = h.shape
+    if f2 % 2:
+        raise ValueError(f"{where}: h has {f2} columns, expected an even [gate; up] width")
+    f = f2 // 2
+    y = torch.empty((m, f), device=h.device, dtype=E4M3)
+    s = torch.empty((m, 1), device=h.device, dtype=torch.float32)
+    if m:
+        one = bool(SETTINGS["swiglu_one_pass"])
+        block = triton.next_power_of_2(f) if one else min(int(SETTINGS["swiglu_block"]), triton.next_power_of_2(f))
+        if INTERPRET and not one:
+            block = min(block, 64)   # exercise the chunk loop on the small test shapes
+        _swiglu_kernel[(m,)](h, y, s, f, h.stride(0), y.stride(0), ONE_PASS=one, BLOCK=block, INTERP=INTERPRET,
+                             num_warps=4 if INTERPRET else SETTINGS["swiglu_warps"])
+    return y, s
+
+
+def gate_residual_(x: torch.Tensor, other: torch.Tensor, gate: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """``x[r] = round(x[r] + other[r] * gate[rows[r]])`` in place, one launch for every segment (kernel (c)); returns x.
+
+    x, other [M, K] of one dtype (bf16/fp16); gate [R, K] (rounded to x's dtype first, as core's ``.to(x.dtype)``);
+    rows int32 [M]. The same arithmetic as core's per-segment ``addcmul_`` (fp32 opmath, one rounding)."""
+    where = "fused.gate_residual_"
+    _need_triton(where, x)
+    _check_act(where, "x", x)
+    m, k = x.shape
+    _check_act(where, "other", other, m, k)
+    if other.dtype != x.dtype:
+        raise ValueError(f"{where}: other dtype {other.dtype} != x dtype {x.dtype}")
+    _check_rows(where, "gate", gate, k, 1)
+    if rows.dtype != torch.int32 or rows.shape != (m,):
+        raise ValueError(f"{where}: rows must be int32 [{m}], got {rows.dtype} {tuple(rows.shape)}")
+    if m:
+        block = 64 if INTERPRET else min(int(SETTINGS["gate_block"]), triton.next_power_of_2(k))
+        _gate_res_kernel[(m, triton.cdiv(k, block))](x, other, gate, rows, k, x.stride(0), other.stride(0),
+                                                     gate.stride(0), BLOCK=block, INTERP=INTERPRET,
+                                                     num_warps=4 if INTERPRET else SETTINGS["gate_warps"])
+    return x
+
+
+def quant_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-row fp8 quantization of a bf16/fp16 [M, K] activation (kernel (d), e.g. the attention output for
+    out_proj): the fp8 path's own Triton kernel ``triton_nvfp4.quant_rows_fp8``."""
+    from .triton_nvfp4 import quant_rows_fp8
+
+    return quant_rows_fp8(x)
+
+
+# --------------------------------------------------------------------------- GEMM on a quantized input
+
+def fp8_gemm(x8: torch.Tensor, sx: torch.Tensor, w8: torch.Tensor, sw: torch.Tensor, n: int,
+             out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """``(x8 * sx) @ (w8 * sw)^T`` by rowwise ``torch._scaled_mm`` (fp32 accumulation, fast accumulation as the fp8
+    path): x8 e4m3 [M, K] row-major, sx fp32 [M, 1], w8 e4m3 [Npad, K], sw fp32 [1, Npad] -> [M, n] out_dtype
+    (a view of the first n columns when Npad > n)."""
+    if x8.dtype != E4M3 or w8.dtype != E4M3 or x8.shape[1] != w8.shape[1]:
+        raise ValueError(f"fused.fp8_gemm: x8 {x8.dtype} {tuple(x8.shape)} and w8 {w8.dtype} {tuple(w8.shape)} "
+                         f"must be e4m3 with the same K")
+    if sx.shape != (x8.shape[0], 1) or sw.shape != (1, w8.shape[0]):
+        raise ValueError(f"fused.fp8_gemm: scales {tuple(sx.shape)} / {tuple(sw.shape)}, expected "
+                         f"[{x8.shape[0]}, 1] / [1, {w8.shape[0]}]")
+    out = torch._scaled_mm(x8, w8.t(), scale_a=sx, scale_b=sw, out_dtype=out_dtype, use_fast_accum=True)
+    return out[:, :n] if out.shape[1] != n else out
+
+
+def fp8_gemm_ref(x8, sx, w8, sw, n, out_dtype=torch.bfloat16) -> torch.Tensor:
+    """fp32 emulation of :func:`fp8_gemm` (CPU tests): ``((x8 * sx) @ (w8 * sw)^T)[:, :n]`` rounded to out_dtype."""
+    acc = (x8.float() * sx.float()) @ (w8[:n].float() * sw[0, :n, None].float()).t()
+    return acc.to(out_dtype)
+
+
+# --------------------------------------------------------------------------- eager references
+
+def norm_mod_ref(x, weight, eps, shift, scale, rows, residual=None, dtype=torch.float64):
+    """Eager reference of :func:`norm_mod` before the output rounding: returns ``(h, x_new)``, h [M, K] in
+    ``dtype`` (float64 default) and x_new the updated stream in x's dtype (x itself when ``residual`` is None;
+    never modifies x). The residual step uses x's dtype arithmetic of core (``addcmul`` of the rounded gate)."""
+    idx = rows.long().to(x.device)
+    if residual is not None:
+        other, gate = residual
+        xn = torch.addcmul(x, other, gate[idx].to(x.dtype))
+    else:
+        xn = x
+    xd = xn.to(dtype)
+    rstd = torch.rsqrt(xd.pow(2).mean(dim=1, keepdim=True) + eps)
+    h = xd * rstd * weight.to(dtype) * (1.0 + scale[idx].to(dtype)) + shift[idx].to(dtype)
+    return h, xn
+
+
+def swiglu_ref(h: torch.Tensor, dtype=torch.float64) -> torch.Tensor:
+    """silu(gate) * up in ``dtype`` for h [M, 2F] = [gate; up] (core's convention)."""
+    g, u = h.to(dtype).chunk(2, dim=-1)
+    return torch.nn.functional.silu(g) * u
+
+
+def gate_residual_ref(x, other, gate, rows) -> torch.Tensor:
+    """Core's per-row arithmetic: ``torch.addcmul(x, other, gate[rows].to(x.dtype))`` (a new tensor)."""
+    return torch.addcmul(x, other, gate[rows.long().to(x.device)].to(x.dtype))
+
+
+def quantize_rows(h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The fp8 path's activation format of a float tensor (:func:`.nvfp4_ref.quantize_rows_fp8`, fp32)."""
+    return ref.quantize_rows_fp8(h.float())
+
+
+class EagerOps:
+    """The fused block's operations in eager torch (fp32 math, the kernels' formulas): what the block runs in
+    CPU tests and dry benchmark runs. Same signatures and outputs as the Triton wrappers."""
+
+    name = "eager"
+
+    @staticmethod
+    def norm_mod(x, weight, eps, shift, scale, rows, out="fp8", residual=None):
+        h, xn = norm_mod_ref(x, weight, eps, shift, scale, rows, residual=residual, dtype=torch.float32)
+        if residual is not None:
+            x.copy_(xn)
+        return quantize_rows(h) if out == "fp8" else h.to(x.dtype)
+
+    @staticmethod
+    def swiglu(h):
+        return quantize_rows(swiglu_ref(h, torch.float32))
+
+    @staticmethod
+    def gate_residual_(x, other, gate, rows):
+        return x.copy_(gate_residual_ref(x, other, gate, rows))
+
+    @staticmethod
+    def quant_rows(x):
+        return quantize_rows(x)
+
+    gemm = staticmethod(fp8_gemm_ref)
+
+
+class TritonOps:
+    """The fused block's operations as the Triton kernels above and ``torch._scaled_mm`` (CUDA)."""
+
+    name = "triton"
+    norm_mod = staticmethod(norm_mod)
+    swiglu = staticmethod(swiglu)
+    gate_residual_ = staticmethod(gate_residual_)
+    quant_rows = staticmethod(quant_rows)
+    gemm = staticmethod(fp8_gemm)
+
+
+EAGER = EagerOps()
+TRITON = TritonOps()

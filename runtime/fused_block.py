@@ -1,0 +1,466 @@
+"""A fused H3 DiT block for the ``fp8`` compute path, installed through core's block override (issue 21).
+
+Core's ``MiniMaxH3Model._forward`` runs block i as ``transformer_options["patches_replace"]["dit"][("double_block",
+i)](args, {"original_block": ...})`` when that entry exists (``comfy/ldm/minimax/model.py``, ComfyUI 0.33),
+with ``args`` = {img, t_emb, mod_segments, rope_freqs, transformer_options}. :func:`apply` puts
+:class:`FusedBlockPatch` there on a clone of the MODEL. For a call it serves, the patch computes the block from the
+block's own modules (its AdaLN projection, norm weights, the pack's NVFP4 layers on the ``fp8`` path, core's
+comfy-kitchen RMSNorm+RoPE, core's ``optimized_attention`` with the MODEL's attention override) with the fused
+producers of :mod:`h3_turbo.kernels.fused`::
+
+    mods = block.adaln_proj(t_emb)                                  # 6 x [R, hidden]
+    x8, sx = norm_mod(x, norm1, shift_msa, scale_msa)               # one pass: e4m3 + row scales
+    qkv = fp8_gemm(x8, sx, W_qkv)                                   # torch._scaled_mm rowwise
+    ck.rms_rope_split_half_(q, k, ...); attention(q, k, v.clone())  # as core's Attention
+    y = fp8_gemm(quant_rows(attn_out), W_out)
+    x8, sx = norm_mod(x, norm2, shift_mlp, scale_mlp, residual=(y, gate_msa))   # x += y * gate, in place
+    a8, sa = swiglu(fp8_gemm(x8, sx, W_fc1))                         # [gate; up] -> e4m3
+    gate_residual_(x, fp8_gemm(a8, sa, W_fc2), gate_mlp)             # x += y * gate, in place
+
+The formula is core's block with the ``fp8`` path's activation quantization moved into the producers; what differs
+from the unfused fp8 run is only where bf16 roundings happen (the producers compute in fp32 and quantize once;
+both gated residual updates are core's arithmetic bit for bit). Approximate like the ``fp8`` path itself (bounds:
+docs/kernels.md, "Fused DiT block").
+
+Served calls: a CUDA bf16/fp16 stream, every projection of the block on compute ``fp8`` and usable by the kernels
+(``runtime.ops.kernel_blocker``: NVFP4 weight, no weight patch, no low-VRAM offload, no grad), no
+``pre_quant_scale``, norm weights unpatched and on the device, rope given, not training, no forward wrapper on
+``attn`` / ``mlp``. Every other call runs the block it replaced (core's, or an entry that was there before: chained,
+not overwritten), each reason logged once. A projection whose forward is wrapped (the Turbo LoRA branch, a foreign
+patch) gets its input in bf16 through its own forward, logged once, unless the wrapper is the pack's Turbo branch
+offering its fused operands: then the adapter is folded into the layer's e4m3 weight slot (the fp8 path's
+``fp8_slot`` route) and the pre-quantized input is used (the branch sees the block's unsmoothed activation: the
+producer's input is what core would hand the layer).
+
+The block's structure is checked once per block at install (:func:`structure_problem`): a mismatch is a
+RuntimeError naming the ComfyUI version and the hook. ComfyUI is imported lazily.
+"""
+from __future__ import annotations
+
+import logging
+import weakref
+from typing import Any, Callable
+
+import torch
+
+from ..kernels import fused as fk
+from ..logs import log, log_once
+
+#: the node/API values: ``off`` (core's block everywhere), ``fp8`` (the fused block where it serves)
+CHOICES = ("off", "fp8")
+HOOK = 'transformer_options["patches_replace"]["dit"][("double_block", i)]'
+#: attributes of core's blocks the fused block reads (checked at install)
+_BLOCK_ATTRS = ("norm1", "norm2", "attn", "mlp", "adaln_proj")
+_ATTN_ATTRS = ("qkv_proj", "q_norm", "k_norm", "out_proj", "heads", "head_dim")
+_MLP_ATTRS = ("fc1", "fc2")
+#: names core's forwards use (their code objects' co_names): the structure the fused block reproduces
+_BLOCK_NAMES = {"adaln_proj", "norm1", "norm2", "_mod_scale_shift", "_mod_gate", "attn", "mlp"}
+_ATTN_NAMES = {"qkv_proj", "rms_rope_split_half_", "optimized_attention", "out_proj", "clone"}
+_MLP_NAMES = {"linear_input_act", "fc1", "fc2"}
+
+
+def core_version() -> str:
+    try:
+        import comfyui_version
+
+        return str(comfyui_version.__version__)
+    except Exception:  # noqa: BLE001
+        return "unknown"
+
+
+def _names(fn) -> set[str]:
+    code = getattr(fn, "__code__", None)
+    return set(code.co_names) if code is not None else set()
+
+
+def swiglu_problem() -> str | None:
+    """None if core's ``INPUT_ACT_EAGER["swiglu"]`` computes silu(first half) * second half (the [gate; up] order
+    the fused kernel assumes), else what it computes. Checked on a probe tensor."""
+    import comfy.ops
+
+    fn = getattr(comfy.ops, "INPUT_ACT_EAGER", {}).get("swiglu")
+    if fn is None:
+        return "comfy.ops.INPUT_ACT_EAGER has no 'swiglu'"
+    probe = torch.tensor([[-1.5, 0.25, 2.0, 0.5, -3.0, 1.25]], dtype=torch.float32)
+    got = fn(probe.clone())
+    want = fk.swiglu_ref(probe, torch.float32)
+    if got.shape != want.shape or not torch.allclose(got, want, rtol=1e-6, atol=1e-6):
+        return f"INPUT_ACT_EAGER['swiglu'] of {probe.tolist()} is {got.tolist()}, not silu(gate) * up = {want.tolist()}"
+    return None
+
+
+def structure_problem(block) -> str | None:
+    """None if ``block`` has the structure the fused block reproduces (core's ``DiTBlock`` of ComfyUI 0.33:
+    attributes, the names its forwards use, qkv/fc1 widths, the SwiGLU [gate; up] order), else the first
+    difference found."""
+    for a in _BLOCK_ATTRS:
+        if not hasattr(block, a):
+            return f"{type(block).__name__} has no attribute {a!r}"
+    for a in _ATTN_ATTRS:
+        if not hasattr(block.attn, a):
+            return f"block.attn ({type(block.attn).__name__}) has no attribute {a!r}"
+    for a in _MLP_ATTRS:
+        if not hasattr(block.mlp, a):
+            return f"block.mlp ({type(block.mlp).__name__}) has no attribute {a!r}"
+    for what, fn, need in (("DiTBlock.forward", type(block).forward, _BLOCK_NAMES),
+                           ("Attention.forward", type(block.attn).forward, _ATTN_NAMES),
+                           ("MLP.forward", type(block.mlp).forward, _MLP_NAMES)):
+        miss = need - _names(fn)
+        if miss:
+            return f"{what} no longer uses {sorted(miss)}"
+    at, mlp = block.attn, block.mlp
+    inner = int(at.heads) * int(at.head_dim)
+    hidden = block.norm1.weight.shape[0] if getattr(block.norm1, "weight", None) is not None else None
+    if at.qkv_proj.out_features != 3 * inner:
+        return f"qkv_proj has {at.qkv_proj.out_features} outputs, expected 3 * heads * head_dim = {3 * inner}"
+    if at.out_proj.in_features != inner:
+        return f"out_proj takes {at.out_proj.in_features} inputs, expected {inner}"
+    if mlp.fc1.out_features != 2 * mlp.fc2.in_features:
+        return f"fc1 has {mlp.fc1.out_features} outputs, expected 2 * fc2's {mlp.fc2.in_features} inputs"
+    if hidden is not None and (at.qkv_proj.in_features != hidden or mlp.fc1.in_features != hidden):
+        return f"norm width {hidden} != qkv_proj/fc1 input width {at.qkv_proj.in_features}/{mlp.fc1.in_features}"
+    if int(getattr(block.adaln_proj, "expand", 6)) != 6:
+        return f"adaln_proj.expand is {block.adaln_proj.expand}, expected 6 chunks"
+    return swiglu_problem()
+
+
+# --------------------------------------------------------------------------- the fp8 path's operands
+
+def prepared_weight(m, path: str = "fp8"):
+    """The layer's prepared weight for ``path``, from (or into) the same cache ``runtime.ops.kernel_forward`` uses
+    (``m._h3_cache``, keyed by the weight object and storage). Only for layers ``kernel_blocker`` accepts."""
+    from ..kernels import dispatch
+
+    w = m.weight
+    key = (id(w), w._qdata.data_ptr(), str(w._qdata.device), path)
+    if m._h3_cache is None or m._h3_cache[0] != key:
+        p = w._params
+        packed = dispatch.PackedNVFP4(w._qdata, p.block_scale, p.scale, m.out_features, m.in_features)
+        m._h3_cache = (key, dispatch.prepare(packed, path))
+    return m._h3_cache[1]
+
+
+def _fp8_weight(prepared, device, lora=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(w8 e4m3 [Npad, K], sw fp32 [1, Npad]) of the ``fp8`` path for this layer: the base weight (lora None) or
+    W + s * B @ A folded into the layer's e4m3 slot (``lora``: :class:`kernels.paths.base.LoRAOperands` with a
+    ``fold_key``). The one place the fused block reads the fp8 path's weight: ``fp8.PATH.weight_operands`` when
+    the path provides it, else today's resident ``prepared.w8 / prepared.sw`` (``fp8.set_state`` switches the slot
+    between base and fold, as the path's own ``linear`` / ``lora`` do)."""
+    from ..kernels.paths import fp8
+
+    get = getattr(fp8.PATH, "weight_operands", None)
+    if get is not None:
+        return get(prepared, device, lora)
+    if lora is None:
+        if prepared.state is not None:
+            fp8.set_state(prepared, None, None)
+    else:
+        fp8.set_state(prepared, (lora.fold_key, float(lora.scale)),
+                      (lora.a, lora.bc, float(lora.scale), lora.nb, lora.amax_a))
+    return prepared.w8, prepared.sw
+
+
+def _can_fold(prepared, nb: int) -> bool:
+    from ..kernels import triton_nvfp4 as tk
+    from ..kernels.paths import fp8
+
+    if not fp8.PATH.settings.lora_fold or getattr(prepared, "packed", None) is None \
+            or getattr(prepared, "amax_w", None) is None:
+        return False
+    return tk.fold_bn(nb) is not None
+
+
+# --------------------------------------------------------------------------- per-call plan
+
+def _layer_plan(m, x, where: str) -> tuple[str, Any]:
+    """How the fused block runs projection ``m`` for stream ``x``: ("fp8", None) the pre-quantized input on the base
+    weight; ("fold", hook) the Turbo branch's adapter folded into the weight slot; ("module", why) the layer's own
+    forward on a bf16 input; ("core", why) the whole block must run core's."""
+    from .ops import kernel_blocker
+
+    if getattr(m, "_h3_path", None) != "fp8":
+        return "core", f"{where} is not on compute=fp8 (path {getattr(m, '_h3_path', None)!r})"
+    why = kernel_blocker(m, x)
+    if why is not None:
+        return "core", f"{where}: {why}"
+    if getattr(m, "pre_quant_scale", None) is not None:
+        return "core", f"{where} has a pre_quant_scale"
+    fwd = m.__dict__.get("forward")
+    if fwd is None:
+        return "fp8", None
+    ops_of = getattr(fwd, "h3turbo_lora_operands", None)
+    if ops_of is not None:
+        return "fold", fwd
+    return "module", f"{where}'s forward is wrapped ({getattr(fwd, '__name__', type(fwd).__name__)})"
+
+
+def _norm_blocker(norm, x, where: str) -> str | None:
+    w = getattr(norm, "weight", None)
+    if len(getattr(norm, "weight_function", ())) or len(getattr(norm, "bias_function", ())):
+        return f"{where} has a weight patch"
+    # core's mixed-precision RMSNorm casts its weight per call by class (a no-op for a resident weight of the
+    # stream's device); ComfyUI's low-VRAM mode marks the layers it offloads with ``prev_comfy_cast_weights``
+    if hasattr(norm, "prev_comfy_cast_weights") or getattr(norm, "comfy_force_cast_weights", False):
+        return f"{where} is offloaded by ComfyUI's low-VRAM mode"
+    if w is not None and w.device != x.device:
+        return f"{where} weight on {w.device}, stream on {x.device}"
+    return None
+
+
+class FusedBlockPatch:
+    """The ``patches_replace["dit"][("double_block", i)]`` entry of one block: ``patch(args, extra) -> {"img": x}``.
+
+    ``block``: core's DiTBlock (held weakly); ``prev``: the entry that was installed before (called with this
+    block's fused forward as its ``original_block``) or None; ``ops``: :data:`kernels.fused.TRITON` (CUDA) or
+    :data:`kernels.fused.EAGER` (CPU tests); ``devices``: stream device types it serves (default CUDA).
+    ``calls`` / ``delegated``: counters of fused / handed-on calls.
+    """
+
+    def __init__(self, block, index: int, prev: Callable | None = None, ops=fk.TRITON,
+                 devices: tuple[str, ...] = ("cuda",)):
+        self._block = weakref.ref(block)
+        self.index = int(index)
+        self.prev = prev
+        self.ops = ops
+        self.devices = tuple(devices)
+        self.calls = 0
+        self.delegated = 0
+        self.routes: dict[str, int] = {}
+
+    def __call__(self, args: dict, extra: dict):
+        original = extra["original_block"]
+
+        def inner(a):
+            return self.run(a, original)
+
+        if self.prev is not None:
+            return self.prev(args, dict(extra, original_block=inner))
+        return inner(args)
+
+    # ---- decision
+    def blocker(self, block, x, args) -> str | None:
+        """Why this call cannot run fused (None: it can)."""
+        import comfy.model_management as mm
+
+        if block is None:
+            return "the block was freed"
+        if x.device.type not in self.devices:
+            return f"stream on {x.device.type}"
+        if x.dtype not in (torch.bfloat16, torch.float16):
+            return f"stream dtype {x.dtype} (the fused block takes bf16/fp16)"
+        if x.dim() != 2 or x.stride(1) != 1:
+            return f"stream shape {tuple(x.shape)} strides {x.stride()} (expected [S, hidden] row-major)"
+        if mm.in_training or torch.is_grad_enabled() and x.requires_grad:
+            return "training / grad"
+        if args.get("rope_freqs") is None:
+            return "no rope table (core's non-rope attention branch)"
+        for name in ("attn", "mlp"):
+            if "forward" in getattr(block, name).__dict__:
+                return f"block.{name}'s forward is wrapped"
+        for name in ("norm1", "norm2"):
+            why = _norm_blocker(getattr(block, name), x, name)
+            if why is not None:
+                return why
+        for qn in ("q_norm", "k_norm"):
+            why = _norm_blocker(getattr(block.attn, qn), x, f"attn.{qn}")
+            if why is not None:
+                return why
+        return None
+
+    def run(self, args: dict, original: Callable):
+        block = self._block()
+        x = args["img"]
+        why = self.blocker(block, x, args)
+        plans = None
+        if why is None:
+            plans = {}
+            for name, m in (("attn.qkv_proj", block.attn.qkv_proj), ("attn.out_proj", block.attn.out_proj),
+                            ("mlp.fc1", block.mlp.fc1), ("mlp.fc2", block.mlp.fc2)):
+                plan = _layer_plan(m, x, name)
+                if plan[0] == "core":
+                    why = plan[1]
+                    break
+                plans[name] = plan
+        if why is not None:
+            log_once(("fused_block", why), "H3 Turbo fused block: %s -> the block it replaced runs (core's or the "
+                     "previous override)", why)
+            self.delegated += 1
+            return original(args)
+        for name, (kind, info) in plans.items():
+            if kind == "module":
+                log_once(("fused_block_module", name, info), "H3 Turbo fused block: %s -> that projection gets a "
+                         "bf16 input through its own forward", info)
+        self.calls += 1
+        return {"img": fused_forward(block, x, args["t_emb"], args["mod_segments"], args["rope_freqs"],
+                                     args.get("transformer_options", {}), plans, self.ops, self.routes)}
+
+
+# --------------------------------------------------------------------------- the fused forward
+
+def _eps(norm, x) -> float:
+    return float(norm.eps) if norm.eps is not None else float(torch.finfo(x.dtype).eps)
+
+
+def _weight(norm, x) -> torch.Tensor:
+    """The norm's weight on x's device in x's dtype (what core's cast-weights RMSNorm multiplies by)."""
+    import comfy.model_management as mm
+
+    w = getattr(norm, "weight", None)
+    if w is None:
+        return torch.ones(x.shape[1], device=x.device, dtype=x.dtype)
+    return mm.cast_to(w, dtype=x.dtype, device=x.device)
+
+
+def _project(m, plan, x8s, bf16_input: Callable[[], torch.Tensor], probe, ops, routes) -> torch.Tensor:
+    """One projection: plan "fp8" / "fold" uses the pre-quantized ``x8s`` = (x8, sx) (a callable producing it);
+    "module" calls the layer on ``bf16_input()``. A Turbo hook that cannot fold for this call (adapter offloaded,
+    tile constraint) also goes through the layer's forward (the branch then runs its own route)."""
+    from ..kernels.paths.base import LoRAOperands
+
+    kind, info = plan
+    if kind == "fold":
+        prepared = prepared_weight(m)
+        ops_ = info.h3turbo_lora_operands(probe)
+        if ops_ is not None:
+            a, bc, coef, blocks, amax_a, key = ops_
+            nb = m.out_features // int(blocks)
+            if key is not None and _can_fold(prepared, nb):
+                lo = LoRAOperands(a, bc, float(coef), nb, amax_a, key)
+                w8, sw = _fp8_weight(prepared, probe.device, lo)
+                info.h3turbo_count()
+                routes["fold"] = routes.get("fold", 0) + 1
+                x8, sx = x8s()
+                return ops.gemm(x8, sx, w8, sw, m.out_features, probe.dtype)
+        log_once(("fused_block_fold", type(m).__name__), "H3 Turbo fused block: the Turbo branch cannot fold into the "
+                 "fp8 weight slot for this call -> the projection runs through the branch on a bf16 input")
+        kind = "module"
+    if kind == "module":
+        routes["module"] = routes.get("module", 0) + 1
+        return m(bf16_input())
+    routes["fp8"] = routes.get("fp8", 0) + 1
+    w8, sw = _fp8_weight(prepared_weight(m), probe.device)
+    x8, sx = x8s()
+    return ops.gemm(x8, sx, w8, sw, m.out_features, probe.dtype)
+
+
+def fused_forward(block, x, t_emb, mod_segments, rope_freqs, transformer_options, plans, ops, routes=None):
+    """The fused block's forward (module docstring); x [S, hidden] is updated in place and returned."""
+    import comfy.model_management as mm
+    import comfy.ops
+    import comfy.quant_ops
+    from comfy.ldm.modules.attention import AttentionTensorContainer, optimized_attention
+
+    routes = {} if routes is None else routes
+    comfy.ops.run_every_op()
+    shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = block.adaln_proj(t_emb)
+    s = x.shape[0]
+    rows = fk.segment_rows(mod_segments, s, x.device)
+    n1, n2, at, mlp = block.norm1, block.norm2, block.attn, block.mlp
+    w1, w2 = _weight(n1, x), _weight(n2, x)
+    e1, e2 = _eps(n1, x), _eps(n2, x)
+
+    # attention: norm1 + modulation -> qkv
+    qkv = _project(at.qkv_proj, plans["attn.qkv_proj"],
+                   lambda: ops.norm_mod(x, w1, e1, shift_msa, scale_msa, rows),
+                   lambda: ops.norm_mod(x, w1, e1, shift_msa, scale_msa, rows, out="bf16"), x, ops, routes)
+    heads, dh = int(at.heads), int(at.head_dim)
+    inner = heads * dh
+    q, k, v = qkv.split(inner, dim=-1)
+    q = q.view(1, s, heads, dh)
+    k = k.view(1, s, heads, dh)
+    qw = mm.cast_to(at.q_norm.weight, device=x.device)
+    kw = mm.cast_to(at.k_norm.weight, device=x.device)
+    comfy.quant_ops.ck.rms_rope_split_half_(q, k, rope_freqs, qw, kw, epsilon=at.q_norm.eps,
+                                            rot_dim=rope_freqs.shape[-3] * 2)
+    v = v.view(s, heads, dh).clone()
+    qc = AttentionTensorContainer(q[0].transpose(0, 1).unsqueeze(0))
+    kc = AttentionTensorContainer(k[0].transpose(0, 1).unsqueeze(0))
+    vc = AttentionTensorContainer(v.transpose(0, 1).unsqueeze(0))
+    del q, k, v
+    out = optimized_attention(qc, kc, vc, heads, mask=None, skip_reshape=True,
+                              transformer_options=transformer_options).squeeze(0)
+    del qkv
+    y = _project(at.out_proj, plans["attn.out_proj"], lambda: ops.quant_rows(out), lambda: out, x, ops, routes)
+    del out
+
+    # gated residual + norm2 + modulation -> fc1 (the residual update happens exactly once, in whichever producer runs)
+    done = []
+
+    def fc1_fp8():
+        done.append(1)
+        return ops.norm_mod(x, w2, e2, shift_mlp, scale_mlp, rows, residual=(y, gate_msa))
+
+    def fc1_bf16():
+        done.append(1)
+        return ops.norm_mod(x, w2, e2, shift_mlp, scale_mlp, rows, out="bf16", residual=(y, gate_msa))
+
+    hmid = _project(mlp.fc1, plans["mlp.fc1"], fc1_fp8, fc1_bf16, x, ops, routes)
+    if not done:
+        raise RuntimeError("fused block: the fc1 producer did not run (the gated residual was not applied)")
+    del y
+
+    # SwiGLU -> fc2, gated residual
+    y2 = _project(mlp.fc2, plans["mlp.fc2"], lambda: ops.swiglu(hmid),
+                  lambda: comfy.ops.INPUT_ACT_EAGER["swiglu"](hmid), x, ops, routes)
+    del hmid
+    ops.gate_residual_(x, y2, gate_mlp, rows)
+    return x
+
+
+# --------------------------------------------------------------------------- install
+
+def resolve(mode: str, device: torch.device | str) -> tuple[bool, str]:
+    """(install?, reason) for ``mode`` in :data:`CHOICES` on ``device``. ``fp8`` on a non-CUDA device installs
+    nothing (the block would never serve). ValueError for an unknown mode."""
+    if mode not in CHOICES:
+        raise ValueError(f"fused blocks: mode {mode!r}; expected one of {', '.join(CHOICES)}")
+    if mode == "off":
+        return False, "off"
+    dev = torch.device(device)
+    if dev.type != "cuda":
+        return False, f"device {dev} is not CUDA (the fused block runs Triton kernels and torch._scaled_mm)"
+    if fk.triton is None:
+        return False, f"Triton is not importable ({fk._TRITON_ERROR})"
+    return True, "requested"
+
+
+def install(model_patcher, ops=fk.TRITON, devices: tuple[str, ...] = ("cuda",)) -> int:
+    """Put a :class:`FusedBlockPatch` at ``("double_block", i)`` of every DiT block of ``model_patcher`` (a
+    ModelPatcher, changed in place: pass a clone), chaining an entry already there. Returns the number of blocks.
+    RuntimeError if a block's structure is not the one the fused block reproduces (naming the ComfyUI version and
+    the hook)."""
+    dm = model_patcher.model.diffusion_model
+    blocks = getattr(dm, "blocks", None)
+    if blocks is None:
+        raise RuntimeError(f"fused blocks: {type(dm).__name__} has no .blocks (ComfyUI {core_version()}, {HOOK})")
+    to = model_patcher.model_options.get("transformer_options", {})
+    existing = to.get("patches_replace", {}).get("dit", {})
+    n = 0
+    for i, block in enumerate(blocks):
+        why = structure_problem(block)
+        if why is not None:
+            raise RuntimeError(f"fused blocks: blocks.{i} differs from the DiT block the fused block reproduces "
+                               f"({why}); ComfyUI {core_version()}, hook {HOOK}. Use fused=off.")
+        prev = existing.get(("double_block", i))
+        if isinstance(prev, FusedBlockPatch):
+            prev = prev.prev          # re-installing replaces our own entry, keeps what it chained
+        model_patcher.set_model_patch_replace(FusedBlockPatch(block, i, prev, ops, devices), "dit", "double_block", i)
+        n += 1
+    return n
+
+
+def apply(model, mode: str):
+    """A clone of ComfyUI MODEL ``model`` with the fused blocks installed (``mode="fp8"`` on a CUDA load device),
+    or an unchanged clone (``off``, or a device they cannot serve: logged once). ValueError for an unknown mode;
+    RuntimeError from :func:`install` on a core whose block differs."""
+    ok, why = resolve(mode, model.load_device)
+    m = model.clone()
+    if not ok:
+        if mode != "off":
+            log_once(("fused_apply", why), "H3 Turbo fused blocks: not installed (%s); core's blocks run", why,
+                     level=logging.WARNING)
+        return m
+    n = install(m)
+    log.info("H3 Turbo fused blocks: %d DiT blocks fused for compute=fp8 (approximate like fp8; calls it does not "
+             "serve run core's block, reasons logged once)", n)
+    return m

@@ -33,7 +33,8 @@ One process, in this order (each step saves ``$OUT/$TAG.json``, so a killed run 
 Env: OUT, TAG (json name, default denoiser_h200), DRY=1 (CPU, tiny widths: checks the script), NB (DiT
 blocks; default 50, DRY 3), SHAPES (comma list WxHxF, default 960x544x124), FAMILIES (comma list, default
 core_bf16,core_nvfp4,ours_exact,ours_fp8), CONFIGS (comma list of configuration names to run, default all),
-FWD_REPS (default 1), PROFILE (comma list of configuration names), DEADLINE (s since start after which no
+FWD_REPS (default 1), FUSED=1 (ours_fp8 also with the fused DiT blocks: ``<name>_fused``), PROFILE (comma list of
+configuration names), DEADLINE (s since start after which no
 new configuration starts), CKPT_DIR (where the checkpoint is written), COMFY_ARGS (default --highvram on the
 GPU: offload device = GPU, so unloading a family moves nothing), PLOT=1 (write the PNG at the end),
 PLOT_ONLY=a.json,b.json (plot these result files, nothing else), MERGE=a.json,b.json (write the issue's result
@@ -138,6 +139,12 @@ def summarize():
                 if name in lt and rk in lt:
                     errs[f"turbo4_vs_{rk}"] = {"all": rel_l2(lt[name], lt[rk]), "video": rel_l2(lt[name][:1], lt[rk][:1]),
                                                "audio": rel_l2(lt[name][1:], lt[rk][1:])}
+            unf = name.replace("_fused", "")
+            if unf != name:            # the fused blocks against the same configuration unfused
+                if name in fw and unf in fw:
+                    errs[f"forward_vs_{unf}"] = {"all": rel_l2(fw[name], fw[unf])}
+                if name in lt and unf in lt:
+                    errs[f"turbo4_vs_{unf}"] = {"all": rel_l2(lt[name], lt[unf])}
             if turbo and name in fw and name[:-7] in fw:
                 errs["forward_vs_turbo_off(branch effect)"] = {"all": rel_l2(fw[name], fw[name[:-7]])}
             r["errors"] = errs
@@ -625,6 +632,12 @@ def run_family(family, path, lname, inputs, sd_gpu, dev):
         for a in ATTN:
             variants.append((f"{family}_{a}_turbo4", nattn.H3TurboAttention.execute(tm, a).args[0]))
             variants.append((f"{family}_{a}", nattn.H3TurboAttention.execute(shifted, a).args[0]))
+        if FUSED and family == "ours_fp8":
+            from h3_turbo.runtime import fused_block
+
+            for name, vm in list(variants):
+                stem, sfx = (name[:-7], "_turbo4") if name.endswith("_turbo4") else (name, "")
+                variants.append((f"{stem}_fused{sfx}", fused_block.apply(vm, "fp8")))
     for inp in inputs:
         for name, m in variants:
             run_config(name, m, sampler, sigmas, inp, fam_base, est_for(family, inp))
@@ -698,6 +711,7 @@ CONFIGS = [c for c in os.environ.get("CONFIGS", "").split(",") if c]
 PROFILE = [c for c in os.environ.get("PROFILE", "").split(",") if c]
 ATTN = [a for a in os.environ.get("ATTN", "int8_sage,exact").split(",") if a]
 FWD_REPS = int(os.environ.get("FWD_REPS", 1))
+FUSED = os.environ.get("FUSED") == "1"     # ours_fp8 also with the fused DiT blocks (runtime/fused_block.py)
 TEXT = int(os.environ.get("TEXT", 16 if DRY else 300))
 SEED = 42
 

@@ -127,17 +127,11 @@ def structure_problem(block) -> str | None:
 # --------------------------------------------------------------------------- the fp8 path's operands
 
 def prepared_weight(m, path: str = "fp8"):
-    """The layer's prepared weight for ``path``, from (or into) the same cache ``runtime.ops.kernel_forward`` uses
-    (``m._h3_cache``, keyed by the weight object and storage). Only for layers ``kernel_blocker`` accepts."""
-    from ..kernels import dispatch
+    """The layer's prepared weight for ``path``: :func:`runtime.ops.prepared` (the one cache ``kernel_forward`` uses
+    too, keyed by the weight object, storage, path and weight mode). Only for layers ``kernel_blocker`` accepts."""
+    from .ops import prepared
 
-    w = m.weight
-    key = (id(w), w._qdata.data_ptr(), str(w._qdata.device), path)
-    if m._h3_cache is None or m._h3_cache[0] != key:
-        p = w._params
-        packed = dispatch.PackedNVFP4(w._qdata, p.block_scale, p.scale, m.out_features, m.in_features)
-        m._h3_cache = (key, dispatch.prepare(packed, path))
-    return m._h3_cache[1]
+    return prepared(m, path)
 
 
 def _fp8_weight(prepared, device, lora=None) -> tuple[torch.Tensor, torch.Tensor]:

@@ -100,8 +100,8 @@ class WorkerPool:
     """``world`` workers on ``device_type`` ("cuda" or "cpu"). Start with :meth:`start`; :meth:`run` one job at a
     time; :meth:`close` stops them (also at interpreter exit)."""
 
-    def __init__(self, world: int, device_type: str, profile: bool = False):
-        self.world, self.device_type, self.profile = int(world), device_type, bool(profile)
+    def __init__(self, world: int, device_type: str):
+        self.world, self.device_type = int(world), device_type
         self.procs: list = []
         self.devices: list[str] = []
         self._lock = threading.Lock()
@@ -130,7 +130,7 @@ class WorkerPool:
                 env["CUDA_VISIBLE_DEVICES"] = ids[rank]
             cfg = {"rank": rank, "world": self.world, "port": port, "device": self.device_type, "env": env,
                    "pack_name": name, "pack_dir": pack_dir, "comfy": state, "timeout_s": timeout_s(),
-                   "profile": self.profile, "requests": self.requests[rank], "results": self.results,
+                   "requests": self.requests[rank], "results": self.results,
                    "cancel": self.cancel}
             p = ctx.Process(target=runpy.run_path, args=(BOOT,),
                             kwargs={"init_globals": {"H3T_SP_CONFIG": cfg}, "run_name": "__h3t_sp_worker__"},
@@ -275,19 +275,19 @@ _POOL: WorkerPool | None = None
 _POOL_LOCK = threading.Lock()
 
 
-def get_pool(world: int, device_type: str, profile: bool = False) -> WorkerPool:
+def get_pool(world: int, device_type: str) -> WorkerPool:
     """The running pool of ``world`` workers on ``device_type`` (started now if there is none, or another size)."""
     global _POOL
     with _POOL_LOCK:
         p = _POOL
-        if p is not None and (p.world, p.device_type, p.profile) == (world, device_type, profile) and p.alive():
+        if p is not None and (p.world, p.device_type) == (world, device_type) and p.alive():
             return p
         if p is not None:
             log.info("H3 Turbo Multi-GPU: stopping the %d-worker pool (%s)", p.world,
                      "a worker is gone" if not p.alive() else f"{world} workers requested")
             p.close()
             _POOL = None
-        p = WorkerPool(world, device_type, profile=profile)
+        p = WorkerPool(world, device_type)
         try:
             p.start()
         except BaseException:
@@ -309,10 +309,10 @@ def shutdown() -> None:
 atexit.register(shutdown)
 
 
-def _run_pool_job(world: int, device_type: str, job: dict, progress=None, profile: bool = False):
+def _run_pool_job(world: int, device_type: str, job: dict, progress=None):
     import comfy.model_management as mm
 
-    pool = get_pool(world, device_type, profile=profile)
+    pool = get_pool(world, device_type)
     try:
         return pool.run(job, progress=progress, interrupted=mm.processing_interrupted)
     except Interrupted:
@@ -352,15 +352,15 @@ def outer_sample_wrapper(executor, noise, latent_image, sampler, sigmas, denoise
                                     f"sent to the workers ({why})")
     job = {"kind": "sample", "recipe": rec, "guider_cls": type(guider), "guider_state": state, "noise": noise,
            "latent_image": latent_image, "sampler": sampler, "sigmas": sigmas, "denoise_mask": denoise_mask,
-           "seed": seed, "latent_shapes": latent_shapes, "callback": callback is not None}
+           "seed": seed, "latent_shapes": latent_shapes, "callback": callback is not None,
+           "profile": bool(spec.get("profile"))}
 
     def progress(step, total, payload):
         x0, x = recipe_mod.loads(payload)
         callback(step, x0, x, total)
 
     t0 = time.perf_counter()
-    out, stats = _run_pool_job(world, device_type, job, progress=progress if callback is not None else None,
-                               profile=bool(spec.get("profile")))
+    out, stats = _run_pool_job(world, device_type, job, progress=progress if callback is not None else None)
     LAST_RUN.clear()
     LAST_RUN.update({"world": world, "device": device_type, "seconds": time.perf_counter() - t0, "ranks": stats})
     return out

@@ -95,7 +95,7 @@ def main(cfg: dict) -> None:
                 out, stats = _sample(job, bases, group, rank, world, cancel, cfg, results, job_id)
             else:
                 t0 = time.perf_counter()
-                out = job["fn"](Context(rank, world, group, device, cancel.is_set, cfg["profile"]), **job.get("kwargs", {}))
+                out = job["fn"](Context(rank, world, group, device, cancel.is_set, bool(job.get("profile"))), **job.get("kwargs", {}))
                 stats = {"seconds": time.perf_counter() - t0}
             results.put(("done", job_id, rank, recipe_mod.dumps(out) if rank == 0 else None, stats))
         except BaseException as e:  # noqa: BLE001 - reported to the main process
@@ -151,7 +151,7 @@ def _sample(job, bases, group, rank, world, cancel, cfg, results, job_id):
     mp = recipe_mod.rebuild(rec, _base(rec, bases))
     dm = mp.model.diffusion_model
     shard = SequenceShard(group, len(dm.blocks), dm.blocks[0].attn.heads, cancelled=cancel.is_set,
-                          profile=cfg["profile"])
+                          profile=bool(job.get("profile")))
     chained = shard.install(mp)
     cls = job["guider_cls"]
     g = cls.__new__(cls)

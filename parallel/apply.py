@@ -63,8 +63,8 @@ def apply(model, gpus: int = 0, profile: bool = False):
             ver = comfyui_version.__version__
         except Exception:  # noqa: BLE001
             ver = "unknown"
-        raise SequenceParallelError(f"H3 Turbo Multi-GPU: this ComfyUI ({ver}) cannot be sharded: {missing}. It was "
-                                    "built against ComfyUI 0.33 to 0.36 (comfy/ldm/minimax/model.py)")
+        raise SequenceParallelError(f"H3 Turbo Multi-GPU: this ComfyUI ({ver}) cannot be sharded: {missing}. The node was "
+                                    "checked against ComfyUI 0.33's comfy/ldm/minimax/model.py (docs/multigpu.md)")
     if not getattr(model, "cached_patcher_init", None):
         raise SequenceParallelError(
             "H3 Turbo Multi-GPU: this MODEL has no cached_patcher_init (core's re-creation hook), so the workers cannot "

@@ -81,7 +81,7 @@ def _comfy_state() -> dict:
     return {"args": dict(vars(args)),
             "folders": {k: (list(v[0]), set(v[1])) for k, v in folder_paths.folder_names_and_paths.items()},
             "output": folder_paths.get_output_directory(), "input": folder_paths.get_input_directory(),
-            "temp": folder_paths.get_temp_directory()}
+            "temp": folder_paths.get_temp_directory(), "models_dir": folder_paths.models_dir}
 
 
 def visible_devices(device_type: str) -> list[str]:
@@ -225,6 +225,7 @@ class WorkerPool:
             done: dict[int, dict] = {}
             stopped: set[int] = set()
             result = None
+            pending = None                      # an exception of the progress callback, raised once the workers stopped
             t_last = [time.monotonic()]
 
             def deadline():
@@ -239,14 +240,24 @@ class WorkerPool:
                     if self._cancel_at is not None:
                         log.warning("H3 Turbo Multi-GPU: the workers did not stop within %.0f s of the interrupt; "
                                     "they were killed", interrupt_grace_s())
+                        if pending is not None:
+                            raise pending from None
                         raise Interrupted() from None
                     raise SequenceParallelError(str(e)) from None
                 if msg[1] != job_id:
                     continue
                 t_last[0] = time.monotonic()
                 kind = msg[0]
-                if kind == "progress" and progress is not None:
-                    progress(msg[2], msg[3], msg[4])
+                if kind == "progress" and progress is not None and pending is None:
+                    try:
+                        progress(msg[2], msg[3], msg[4])
+                    except BaseException as e:  # noqa: BLE001 - e.g. ComfyUI's interrupt raised by its progress hook
+                        pending = e
+                        if not self.cancel.is_set():
+                            log.info("H3 Turbo Multi-GPU: %s in the progress callback: stopping the %d workers at "
+                                     "their next forward", type(e).__name__, self.world)
+                            self.cancel.set()
+                            self._cancel_at = time.monotonic()
                 elif kind == "done":
                     done[msg[2]] = msg[4]
                     if msg[2] == 0:
@@ -258,6 +269,8 @@ class WorkerPool:
                     raise SequenceParallelError(f"H3 Turbo Multi-GPU: worker {msg[2]} ({self.devices[msg[2]]}) "
                                                 f"failed: {msg[3]}")
             self.interrupted = None
+            if pending is not None:
+                raise pending
             if stopped:
                 raise Interrupted()
             return (recipe_mod.loads(result) if result is not None else None), [done[r] for r in sorted(done)]
@@ -345,6 +358,10 @@ def outer_sample_wrapper(executor, noise, latent_image, sampler, sigmas, denoise
     spec = mp.model_options.get(recipe_mod.SP_OPTIONS_KEY) or {}
     world, device_type = int(spec["world"]), spec["device"]
     rec = recipe_mod.build(mp)
+    if rec.turbo is not None:           # what GET /h3turbo/ready reports (the Turbo wrapper itself runs in the workers)
+        from .. import state as pack_state
+
+        pack_state.set_current_turbo(rec.turbo["alias"])
     state = {k: v for k, v in vars(guider).items() if k not in ("model_patcher", "model_options")}
     why = recipe_mod._picklable(state)
     if why is not None:

@@ -21,6 +21,7 @@ import io
 import os
 import pickle
 import sys
+import threading
 import uuid
 from dataclasses import dataclass, field
 from multiprocessing.reduction import ForkingPickler
@@ -68,10 +69,24 @@ def _cpu_tensor(t):
 
 
 def dumps(obj) -> bytes:
-    """Pickle ``obj`` for a worker (see :class:`_Pickler`)."""
+    """Pickle ``obj`` for a worker (see :class:`_Pickler`). CPU tensors go to shared memory by file name
+    (torch's "file_system" strategy, for this pickle only): the default "file_descriptor" strategy keeps one open
+    descriptor per tensor until the worker has read it, and a LoRA's hundreds of tensors times the workers would
+    exceed the usual limit of open files."""
+    import torch.multiprocessing as tmp
+
     buf = io.BytesIO()
-    _Pickler(buf, pickle.HIGHEST_PROTOCOL).dump(obj)
+    with _SHARING_LOCK:
+        old = tmp.get_sharing_strategy()
+        tmp.set_sharing_strategy("file_system")
+        try:
+            _Pickler(buf, pickle.HIGHEST_PROTOCOL).dump(obj)
+        finally:
+            tmp.set_sharing_strategy(old)
     return buf.getvalue()
+
+
+_SHARING_LOCK = threading.Lock()
 
 
 class _Unpickler(pickle.Unpickler):

@@ -38,6 +38,7 @@ def _setup_comfy(state: dict) -> None:
     folder_paths.set_output_directory(state["output"])
     folder_paths.set_input_directory(state["input"])
     folder_paths.set_temp_directory(state["temp"])
+    folder_paths.models_dir = state["models_dir"]
 
 
 class Context:
@@ -80,6 +81,12 @@ def main(cfg: dict) -> None:
     except BaseException:  # noqa: BLE001 - reported to the main process
         results.put(("error", None, rank, traceback.format_exc(limit=8)))
         return
+    if rank > 0:
+        # the AdaLN table's on-disk cache (adaln=table): every rank computes the same table; only rank 0 writes the
+        # shared folder, the others their own (two writers of one file would race on its ".part" file)
+        from ..runtime import adaln_memo
+
+        os.environ[adaln_memo.CACHE_ENV] = os.path.join(adaln_memo.cache_dir(), f"multigpu_rank{rank}")
     results.put(("ready", rank, name))
     bases: dict = {}
     while True:
@@ -175,8 +182,7 @@ def _sample(job, bases, group, rank, world, cancel, cfg, results, job_id):
         comfy.samplers.cast_to_load_options(g.model_options, device=mp.offload_device)
         mp.restore_hook_patches()
     stats = shard.stats.as_dict()
-    stats.update({"seconds": time.perf_counter() - t0, "chained_hooks": chained, "rank": rank,
-                  "seq_len_last": None})
+    stats.update({"seconds": time.perf_counter() - t0, "chained_hooks": chained, "rank": rank})
     if cfg["device"] == "cuda":
         stats["peak_bytes"] = int(torch.cuda.max_memory_allocated())
     return out.detach().to("cpu"), stats

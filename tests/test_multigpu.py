@@ -300,6 +300,39 @@ def test_worker_crash_is_an_execution_error_and_the_next_run_starts_clean_worker
     assert {p.pid for p in pool._POOL.procs}.isdisjoint({p.pid for p in old})
 
 
+@pytest.mark.comfyui
+def test_ui_interrupt_during_sharded_sampling_stops_the_workers_cleanly(rt):
+    """ComfyUI's interrupt reaches a sampling run through its progress hook (main.py's hook raises
+    InterruptProcessingException once the user pressed Stop): the workers stop at their next forward, the prompt ends
+    interrupted, the pool stays up, and the next run is exact."""
+    import comfy.model_management as mm
+    import comfy.utils
+
+    from h3_turbo.harness import PromptFailed
+    from h3_turbo.parallel import pool
+
+    pids = [p.pid for p in pool.get_pool(2, "cpu").procs]
+    calls = []
+
+    def hook(value, total, preview_image, prompt_id=None, node_id=None):
+        calls.append(value)
+        mm.interrupt_current_processing(True)          # the user pressed Stop after the first step
+        mm.throw_exception_if_processing_interrupted()
+
+    old = comfy.utils.PROGRESS_BAR_HOOK
+    comfy.utils.set_progress_bar_global_hook(hook)
+    try:
+        with pytest.raises(PromptFailed):
+            rt.run_latents(_turbo_graph(seed=11, sp=2), ("11", "12"))
+    finally:
+        comfy.utils.set_progress_bar_global_hook(old)
+        mm.interrupt_current_processing(False)
+    assert calls == [1]                                 # rank 0's first step reached the UI, then it stopped
+    assert rt.executor.status_messages[-1][0] == "execution_interrupted"
+    assert [p.pid for p in pool._POOL.procs] == pids and pool._POOL.alive()
+    _agree(_one_process(rt, "turbo", 42), rt.run_latents(_turbo_graph(sp=2), ("11", "12")), "after an interrupt")
+
+
 def _wait_for_cancel(ctx):
     """``call`` job: the shard's cancel check (an all-reduce of every rank's flag) every 20 ms, for at most 60 s."""
     from h3_turbo.parallel.engine import SequenceShard

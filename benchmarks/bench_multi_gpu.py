@@ -24,7 +24,7 @@ Every worker's environment has NCCL_NVLS_ENABLE=0, TORCH_SYMM_MEM_DISABLE_MULTIC
 Output: ``$OUT/multi_gpu_<KIND>.json`` and ``.md`` (OUT default benchmarks/results, with DRY /tmp/h3t_bench_multi_gpu_dry; KIND default ``h200x<visible>``,
 ``dry_cpu`` with DRY). Env: DRY=1 (CPU: tiny widths, 3 blocks, 2 gloo worker processes: checks the script), SHAPES,
 NS, NB (DiT blocks, default 50; DRY 3), TEXT (default 300; DRY 16), COMPUTE, CKPT_DIR, DEADLINE (s after start after
-which no new shape starts).
+which no new shape starts), KIND, MERGE=a.json,b.json (merge runs of single shapes into one file, see :func:`merge`).
 
 GPU (a machine with N H200s): ``python3 benchmarks/bench_multi_gpu.py``; CPU check: ``DRY=1 python3 benchmarks/bench_multi_gpu.py``.
 """
@@ -166,7 +166,32 @@ def table(res) -> str:
     return "\n".join(lines) + "\n"
 
 
+def merge(paths: list[str]) -> None:
+    """MERGE=a.json,b.json: one result file (and table) from runs of single shapes (a device call is limited to 10
+    minutes, and the 1344x768x362 row alone takes several), written as ``$OUT/multi_gpu_<KIND>.json`` (default: the
+    first file's kind)."""
+    res = None
+    for p in paths:
+        r = json.load(open(p))
+        if res is None:
+            res = r
+        else:
+            res["shapes"].update(r["shapes"])
+            res["errors"].update(r.get("errors", {}))
+    res["merged_from"] = [os.path.basename(p) for p in paths]
+    res["kind"] = os.environ.get("KIND") or res["kind"]
+    os.makedirs(OUT, exist_ok=True)
+    out_json = os.path.join(OUT, f"multi_gpu_{res['kind']}.json")
+    with open(out_json, "w") as f:
+        json.dump(res, f, indent=1)
+    with open(out_json[:-5] + ".md", "w") as f:
+        f.write(table(res))
+    print(table(res))
+
+
 def main():
+    if os.environ.get("MERGE"):
+        return merge(os.environ["MERGE"].split(","))
     import yunchang
 
     from h3_turbo.harness import boot

@@ -12,9 +12,8 @@ Skipped loudly (conftest) when yunchang is not installed: it is the pack's [mult
 """
 from __future__ import annotations
 
-import copy
 import json
-import os
+import re
 import time
 from pathlib import Path
 
@@ -277,6 +276,14 @@ def test_node_plain_path_and_refusals(rt, fixtures_dir, monkeypatch):
         sp.apply(model, 3)
     monkeypatch.setattr(engine, "yunchang_missing", lambda: "yunchang is not importable (test)")
     with pytest.raises(SequenceParallelError, match=r"needs yunchang.*pip install \"h3-turbo\[multigpu\]\""):
+        sp.apply(model, 2)
+    monkeypatch.undo()
+    assert engine.core_hook_missing() is None                            # this core has the per-block hook
+    monkeypatch.setattr(engine, "core_hook_missing", lambda: "MiniMaxH3Model._forward has no per-block hook (test)")
+    import comfyui_version
+
+    with pytest.raises(SequenceParallelError, match=rf"this ComfyUI \({re.escape(comfyui_version.__version__)}\) "
+                                                    r"cannot be sharded: MiniMaxH3Model._forward has no per-block hook"):
         sp.apply(model, 2)
     monkeypatch.undo()
     m2 = sp.apply(model, 2)

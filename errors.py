@@ -6,7 +6,8 @@
     ├── TurboContractError     a sampling-time violation of a Turbo contract (ValueError)
     ├── CoverageError          Turbo LoRA targets that did not run in a diffusion-model call (RuntimeError)
     ├── NoCapablePathError     a compute path / attention backend this device cannot run (ValueError, RuntimeError)
-    └── InputError             a node input value that is not allowed (NaN, Inf, out of range) (ValueError)
+    ├── InputError             a node input value that is not allowed (NaN, Inf, out of range) (ValueError)
+    └── SequenceParallelError  H3 Turbo Multi-GPU cannot run, or a worker failed (RuntimeError)
 
 The extra built-in bases keep ``except ValueError`` / ``except RuntimeError`` callers working. Messages
 name the file, the key and what was expected. ComfyUI shows errors as ``<module>.<class>: message``;
@@ -60,10 +61,16 @@ class InputError(H3TurboError, ValueError):
     names the node, the input, the value and the range (``nodes/checks.py``)."""
 
 
+class SequenceParallelError(H3TurboError, RuntimeError):
+    """H3 Turbo Multi-GPU cannot run this request (missing ``[multigpu]`` extra, a GPU count that does not divide the
+    heads, a MODEL part that cannot travel to the workers, an unsupported core), or a worker failed, timed out or was
+    stopped; the message names what was expected and, for a worker failure, carries the worker's own message."""
+
+
 #: the name the pack used before the hierarchy existed
 TurboCoverageError = CoverageError
 
 for _cls in (H3TurboError, CheckpointError, TurboLoRAError, TurboContractError, CoverageError, NoCapablePathError,
-             InputError):
+             InputError, SequenceParallelError):
     _cls.__module__ = "h3_turbo"
 del _cls

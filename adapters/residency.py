@@ -205,6 +205,12 @@ def _evict(keep: str) -> None:
                     total / 2**20, BUDGET_ENV, budget >> 20)
 
 
+def find(key: str | None) -> ResidentAdapter | None:
+    """The resident adapter with SHA-256 ``key`` (None when it is not resident)."""
+    with _lock:
+        return _cache.get(key) if key else None
+
+
 def resident_keys() -> list[str]:
     """Cache keys (SHA-256), least recently used first."""
     with _lock:

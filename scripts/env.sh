@@ -12,7 +12,8 @@
 #                 when missing and this runs as root on Debian/Ubuntu)
 # Pinned stack (verified): Python 3.11, torch 2.14.1 + torchvision 0.29.1, torchaudio 2.11.1 (--no-deps),
 # ComfyUI's requirements (comfy-kitchen 0.2.31). The [test] extra adds Playwright (it drives that Chromium;
-# no browser download) and comfy-cli (`comfy node validate`); neither changes a package ComfyUI pins.
+# no browser download) and comfy-cli (`comfy node validate`); neither changes a package ComfyUI pins. The [multigpu] extra
+# adds yunchang (pure Python, no dependency but torch) so the Multi-GPU tests run on 2 gloo CPU processes.
 set -euo pipefail
 
 # comfy_requirements VENV COMFY PACK: install COMFY's requirements.txt (without torch*) into VENV whenever one
@@ -59,7 +60,7 @@ if [ -z "${H3T_CHROMIUM:-}" ] && ! command -v chromium >/dev/null 2>&1 && ! comm
   fi
 fi
 pip_log=$(mktemp)
-"$venv/bin/pip" install -q --no-build-isolation -e "$here[test]" > "$pip_log" 2>&1 \
+"$venv/bin/pip" install -q --no-build-isolation -e "$here[test,multigpu]" > "$pip_log" 2>&1 \
   || { cat "$pip_log" >&2; rm -f "$pip_log"; echo "[h3-turbo] pip install -e failed" >&2; exit 1; }
 rm -f "$pip_log"
 "$venv/bin/python" -c 'import h3_turbo' || { echo "[h3-turbo] editable install failed" >&2; exit 1; }

@@ -61,6 +61,10 @@ def pytest_collection_modifyitems(config, items):
         _skip_loudly(items, ("registry",), "registry tests",
                      "NO COMFY-CLI: comfy-cli is not installed (it is in the pack's [test] extra); "
                      "`comfy node validate` did NOT run")
+    if importlib.util.find_spec("yunchang") is None:  # the [multigpu] extra
+        _skip_loudly(items, ("multigpu",), "multi-GPU tests",
+                     "NO YUNCHANG: yunchang (the pack's [multigpu] extra: pip install -e \".[multigpu]\"; scripts/env.sh "
+                     "installs it) is not installed; the 2-process sequence-parallel tests did NOT run")
     if _comfyui_path() is None:
         _skip_loudly(items, ("comfyui", "server", "browser"), "integration tests",
                      "NO REAL COMFYUI: set COMFYUI_PATH (or put a checkout at ~/ComfyUI, see README 'Tests'); "

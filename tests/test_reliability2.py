@@ -184,8 +184,8 @@ def test_every_numeric_input_of_every_node_is_checked_in_the_node(comfy):
                 with pytest.raises(InputError, match="^" + re.escape(f"{cls.DISPLAY}: {inp.id} = ")):
                     cls.execute(**others, **{inp.id: bad})
             seen.append(f"{schema.node_id}.{inp.id}")
-    assert sorted(seen) == ["H3TurboLoRA.strength", "H3TurboSigmas.steps", "H3TurboTestConditioning.seed",
-                            "H3TurboTestConditioning.tokens"]
+    assert sorted(seen) == ["H3TurboLoRA.strength", "H3TurboSequenceParallel.gpus", "H3TurboSigmas.steps",
+                            "H3TurboTestConditioning.seed", "H3TurboTestConditioning.tokens"]
 
 
 ADAPTER_VALUE_MESSAGES = {

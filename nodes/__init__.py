@@ -13,7 +13,7 @@ from comfy_api.latest import ComfyExtension, io
 log = logging.getLogger("h3_turbo")
 
 # Node modules, in the order their nodes appear in the UI.
-NODE_MODULES = ("loader", "dmd", "conditioning", "sampler", "attention", "lora", "multigpu")
+NODE_MODULES = ("loader", "dmd", "conditioning", "sampler", "attention", "fused", "lora", "multigpu")
 
 CATEGORY = "H3 Turbo"
 

@@ -341,3 +341,35 @@ def test_turbo_branch_wrapper_offers_its_fused_operands():
     assert br.counts == [1] and br.run_counts == [1] and br.fused_calls == 1
     # an MLP-level capture slot (fc1 feeding an fc2 branch) keeps the plain wrapper: nothing offered
     assert not hasattr(br._make_fn(lambda x: x, p, 0, 0.5, {}, [True], layer.h3turbo_fusable), "h3turbo_lora_operands")
+
+
+def test_fused_blocks_node_through_the_real_graph_on_cpu(comfy, fixtures_dir, caplog):
+    """The node in a real prompt: on the CPU the fused block cannot serve, so the node returns an unchanged clone,
+    says why once, and the prompt samples bit-identically to the same prompt without the node; mode=off installs
+    nothing either. An unknown mode is refused by the node."""
+    if "nvfp4" not in fixtures_dir:
+        pytest.skip("comfy-kitchen missing: no NVFP4 fixture")
+    from corpus import euler_av_prompt
+    from h3_turbo.harness import PromptFailed
+
+    loader = {"class_type": "H3TurboNVFP4Loader", "inputs": {"unet_name": "h3_tiny_nvfp4.safetensors",
+                                                            "compute": "reference"}}
+
+    def run(mode, prefix):
+        p = {"1": loader, **euler_av_prompt(["2", 0] if mode else ["1", 0], prefixes=(prefix + "_v", prefix + "_a"))}
+        if mode:
+            p["2"] = {"class_type": "H3TurboFusedBlocks", "inputs": {"model": ["1", 0], "mode": mode}}
+        return comfy.run_latents(p, ("12", "13"))
+
+    from h3_turbo import state
+
+    plain = run(None, "h3t/fz0")
+    state.LOGGED.clear()                        # the reason is logged once per process: earlier tests may have
+    with caplog.at_level(logging.WARNING, logger="h3_turbo"):
+        fused = run("fp8", "h3t/fz1")
+    assert all(torch.equal(a, b) for a, b in zip(plain, fused)) and float(plain[0].std()) > 0.1
+    assert "not installed" in caplog.text and "not CUDA" in caplog.text
+    off = run("off", "h3t/fz2")
+    assert all(torch.equal(a, b) for a, b in zip(plain, off))
+    with pytest.raises(PromptFailed):
+        run("fp16", "h3t/fz3")

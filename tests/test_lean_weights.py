@@ -10,6 +10,7 @@ core's own path.
 from __future__ import annotations
 
 import gc
+import os
 
 import pytest
 import torch
@@ -19,6 +20,9 @@ from corpus import euler_av_prompt  # tests/ is on sys.path
 pytestmark = pytest.mark.comfyui
 
 NVFP4 = "h3_tiny_nvfp4.safetensors"
+#: this module's prompts load a copy under its own name: the test node mutates the loaded model (install_compute),
+#: and ComfyUI caches a loader's output per inputs, so other tests' prompts must not receive that model
+LEAN = "h3t_lean/h3_tiny_nvfp4_lean.safetensors"
 
 
 class _Install:
@@ -47,13 +51,18 @@ def installer(comfy, fixtures_dir):
 
     if "nvfp4" not in fixtures_dir:
         pytest.skip("comfy-kitchen missing: no NVFP4 fixture")
+    import shutil
+
+    dst = os.path.join(fixtures_dir["root"], "diffusion_models", LEAN)
+    os.makedirs(os.path.dirname(dst), exist_ok=True)
+    shutil.copyfile(fixtures_dir["nvfp4"], dst)
     nodes.NODE_CLASS_MAPPINGS["H3TurboTestInstall"] = _Install
     yield
     nodes.NODE_CLASS_MAPPINGS.pop("H3TurboTestInstall", None)
 
 
 def _prompt(path, weights, prefix):
-    p = {"1": {"class_type": "H3TurboNVFP4Loader", "inputs": {"unet_name": NVFP4, "compute": "reference"}},
+    p = {"1": {"class_type": "H3TurboNVFP4Loader", "inputs": {"unet_name": LEAN, "compute": "reference"}},
          "2": {"class_type": "H3TurboTestInstall", "inputs": {"model": ["1", 0], "path": path, "weights": weights}},
          **euler_av_prompt(["2", 0], prefixes=(prefix + "_v", prefix + "_a"))}
     return p

@@ -2,11 +2,13 @@
 machines where the pack is not installed).
 
 import_package: ``import h3_turbo`` from this checkout.
+collect_logs: INFO logging to stderr, and the pack's log lines appended to a list (the result JSON's ``log``).
 h3_qkv: attention inputs with H3's statistics in core ComfyUI's layout (``comfy/ldm/minimax/model.py``):
 q, k, v are [1, heads, S, d] strided views of one [S, 3*heads*d] bf16 qkv buffer, q and k per-head
 RMS-normalised times a per-channel gain in [1, 1.5), v cloned (as core's attention receives them).
 """
 import importlib.util
+import logging
 import os
 import sys
 
@@ -41,3 +43,18 @@ def h3_qkv(S: int, heads: int, d: int, dev, seed: int = 0):
     kv = k.view(S, heads, d)
     vv = v.view(S, heads, d).clone()
     return qkv, tuple(t.transpose(0, 1).unsqueeze(0) for t in (qv, kv, vv))   # [1, H, S, D] strided
+
+
+def collect_logs(lines: list, width: int = 400) -> None:
+    """``logging.basicConfig`` at INFO, and every record of the ``h3_turbo`` logger appended to ``lines`` as
+    "LEVEL message" (cut to ``width`` characters): the benchmarks keep the pack's decisions in their JSON."""
+
+    class _Collect(logging.Handler):
+        def emit(self, record):
+            try:
+                lines.append(f"{record.levelname} {record.getMessage()}"[:width])
+            except Exception:  # noqa: BLE001
+                pass
+
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    logging.getLogger("h3_turbo").addHandler(_Collect())

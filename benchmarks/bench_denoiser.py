@@ -45,7 +45,6 @@ from __future__ import annotations
 
 import gc
 import json
-import logging
 import math
 import os
 import sys
@@ -76,16 +75,9 @@ def mark(what):
     print(f"[{now():7.1f}s] {what}", flush=True)
 
 
-class _Collect(logging.Handler):
-    def emit(self, record):
-        try:
-            RES["log"].append(f"{record.levelname} {record.getMessage()}"[:300])
-        except Exception:  # noqa: BLE001
-            pass
+from _common import collect_logs  # noqa: E402
 
-
-logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-logging.getLogger("h3_turbo").addHandler(_Collect())
+collect_logs(RES["log"], 300)
 
 import torch  # noqa: E402
 

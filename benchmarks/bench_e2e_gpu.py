@@ -32,7 +32,6 @@ int8_sage). Writes $OUT/e2e_gpu_h200.json after every step.
 from __future__ import annotations
 
 import json
-import logging
 import os
 import sys
 import tempfile
@@ -64,16 +63,9 @@ def save():
         json.dump(RES, f, indent=1, default=str)
 
 
-class _Collect(logging.Handler):
-    def emit(self, record):
-        try:
-            RES["log"].append(f"{record.levelname} {record.getMessage()}"[:400])
-        except Exception:  # noqa: BLE001
-            pass
+from _common import collect_logs  # noqa: E402
 
-
-logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-logging.getLogger("h3_turbo").addHandler(_Collect())
+collect_logs(RES["log"], 400)
 
 import torch  # noqa: E402
 

@@ -33,7 +33,6 @@ checks the script end to end).
 from __future__ import annotations
 
 import json
-import logging
 import math
 import os
 import sys
@@ -60,16 +59,9 @@ def save():
         json.dump(RES, f, indent=1, default=str)
 
 
-class _Collect(logging.Handler):
-    def emit(self, record):
-        try:
-            RES["log"].append(f"{record.levelname} {record.getMessage()}"[:400])
-        except Exception:  # noqa: BLE001
-            pass
+from _common import collect_logs  # noqa: E402
 
-
-logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-logging.getLogger("h3_turbo").addHandler(_Collect())
+collect_logs(RES["log"], 400)
 
 import torch  # noqa: E402
 

@@ -131,7 +131,7 @@ class WorkerPool:
             cfg = {"rank": rank, "world": self.world, "port": port, "device": self.device_type, "env": env,
                    "pack_name": name, "pack_dir": pack_dir, "comfy": state, "timeout_s": timeout_s(),
                    "requests": self.requests[rank], "results": self.results,
-                   "cancel": self.cancel}
+                   "cancel": self.cancel, "parent_pid": os.getpid()}
             p = ctx.Process(target=runpy.run_path, args=(BOOT,),
                             kwargs={"init_globals": {"H3T_SP_CONFIG": cfg}, "run_name": "__h3t_sp_worker__"},
                             daemon=True, name=f"h3turbo-sp-{rank}")

@@ -20,6 +20,7 @@ import gc
 import logging
 import os
 import sys
+import threading
 import time
 import traceback
 
@@ -50,7 +51,24 @@ class Context:
         self.cancelled, self.profile = cancelled, profile
 
 
+def watch_parent(parent_pid: int | None, period_s: float = 1.0) -> None:
+    """Exit this process once the process that started it is gone (it is re-parented: ``os.getppid()`` changes).
+    A server killed without running its exit handlers (SIGTERM, SIGKILL, a crash) must not leave workers behind,
+    each holding a whole model on its GPU. A daemon thread; None/0 watches nothing."""
+    if not parent_pid:
+        return
+
+    def loop():
+        while True:
+            time.sleep(period_s)
+            if os.getppid() != parent_pid:
+                os._exit(0)
+
+    threading.Thread(target=loop, name="h3turbo-sp-parent-watch", daemon=True).start()
+
+
 def main(cfg: dict) -> None:
+    watch_parent(cfg.get("parent_pid"))
     rank, world = cfg["rank"], cfg["world"]
     results, requests, cancel = cfg["results"], cfg["requests"], cfg["cancel"]
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,

@@ -372,3 +372,47 @@ def test_interrupt_stops_every_worker_and_a_silent_pool_times_out(rt, monkeypatc
     with pytest.raises(SequenceParallelError, match=r"no message from the workers for 2 s"):
         p.run({"kind": "call", "fn": _sleep, "kwargs": {"seconds": 30}})
     assert not p.alive() and not p.procs
+
+
+def test_a_worker_exits_when_the_process_that_started_it_is_killed(tmp_path):
+    """A server killed without its exit handlers (SIGKILL here; SIGTERM skips ``atexit`` too) must not leave its
+    workers running: ``parallel.worker.watch_parent`` ends a process once it is re-parented. A child process that
+    watches its parent outlives a killed parent by about the watch period, not forever."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    pid_file = tmp_path / "child.pid"
+    child = ("import os, time; from h3_turbo.parallel.worker import watch_parent; "
+             f"watch_parent(os.getppid(), 0.2); open({str(pid_file)!r}, 'w').write(str(os.getpid())); time.sleep(120)")
+    parent = subprocess.Popen([sys.executable, "-c", "import subprocess, sys, time; "
+                               f"subprocess.Popen([sys.executable, '-c', {child!r}]); time.sleep(120)"])
+    try:
+        t0 = time.monotonic()
+        while not pid_file.exists() or not pid_file.read_text():
+            assert time.monotonic() - t0 < 60, "the child did not start"
+            time.sleep(0.1)
+        cpid = int(pid_file.read_text())
+        os.kill(parent.pid, signal.SIGKILL)
+        parent.wait()
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < 20:
+            try:
+                os.kill(cpid, 0)
+            except ProcessLookupError:
+                break
+            try:
+                with open(f"/proc/{cpid}/stat") as f:   # a zombie re-parented to init counts as gone
+                    if f.read().split(")")[1].split()[0] == "Z":
+                        break
+            except FileNotFoundError:
+                break
+            time.sleep(0.1)
+        else:
+            os.kill(cpid, signal.SIGKILL)
+            pytest.fail("the child kept running after its parent was killed")
+        assert time.monotonic() - t0 < 10
+    finally:
+        if parent.poll() is None:
+            parent.kill()

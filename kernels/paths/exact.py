@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from . import base
-from .base import WORK_BUFFERS, SIDE_STREAMS, ComputePath, LoRAOperands, PackedNVFP4
+from .base import WORK_BUFFERS, SIDE_STREAMS, ComputePath, LoRAOperands, PackedNVFP4, PreparedPacked
 
 
 @dataclass
@@ -43,18 +43,9 @@ class ExactSettings:
 
 
 @dataclass
-class PreparedExact:
+class PreparedExact(PreparedPacked):
     """The native storage (the same tensors, no copy) and its global scale as an fp32 [1] tensor."""
-    packed: PackedNVFP4
-    gs: torch.Tensor          # fp32 [1]
-
-    @property
-    def out_features(self) -> int:
-        return self.packed.out_features
-
-    @property
-    def in_features(self) -> int:
-        return self.packed.in_features
+    gs: torch.Tensor = None   # fp32 [1]
 
 
 class ExactPath(ComputePath):

@@ -199,6 +199,9 @@ def load_h3_model(path: str, compute: str = "auto", disable_dynamic: bool = Fals
     log_once(("adaln", path, adaln, amode), "H3 Turbo loader: adaln=%s -> %s (%s)%s", adaln, amode, areason,
              f"; {adaln_off / 2**30:.2f} GiB of AdaLN weights kept in CPU memory" if adaln_off else "")
     wmode = None
+    if not kernels and weights != "auto":
+        log_once(("weights_ignored", cpath, weights), "H3 Turbo loader: weights=%s has no effect with compute=%s (it "
+                 "keeps no per-layer weight copies)", weights, cpath)
     if kernels:
         if not keep_fp32_island:
             raise RuntimeError(f"compute={cpath} needs the H3 Turbo operations (keep_fp32_island=True)")

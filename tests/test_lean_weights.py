@@ -129,11 +129,18 @@ def test_weights_input_resolution(comfy, monkeypatch):
         resolve_weights("x", "fp8", "cuda:0", model, full)
 
 
-def test_loader_refuses_unknown_weights_before_building(comfy):
+def test_loader_refuses_unknown_weights_before_building_and_says_when_it_does_nothing(comfy, caplog):
+    import logging
+
+    from h3_turbo import state
     from h3_turbo.runtime.loading import load_h3_model
 
     with pytest.raises(ValueError, match="weights='fast'"):
         load_h3_model(fixtures_dir_nvfp4(comfy), "reference", weights="fast")
+    state.LOGGED.clear()
+    with caplog.at_level(logging.INFO, logger="h3_turbo"):
+        load_h3_model(fixtures_dir_nvfp4(comfy), "reference", weights="lean")
+    assert "weights=lean has no effect with compute=reference" in caplog.text
 
 
 def test_unload_frees_every_prepared_copy_and_work_buffer(comfy, installer):

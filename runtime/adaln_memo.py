@@ -28,6 +28,7 @@ Pruned checkpoints (``adaln_t_table`` curve form) are left to core (:func:`insta
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 import threading
 
@@ -321,6 +322,11 @@ def sample_wrapper(executor, noise, latent_image, sampler, sigmas, *args, **kwar
     memo = memo_of(mp)
     if memo is None:
         return executor(noise, latent_image, sampler, sigmas, *args, **kwargs)
+    if getattr(mp, "patches", None):
+        log_once(("adaln-table-patches", memo.key, len(mp.patches)), "H3 Turbo AdaLN (adaln=table): this MODEL has "
+                 "%d weight patches (a LoRA merged by ComfyUI); patches on the AdaLN / time-embedder weights cannot "
+                 "apply under adaln=table (ComfyUI logs their keys as 'lora key not loaded'). Load the model with "
+                 "adaln=resident when a LoRA trains AdaLN.", len(mp.patches), level=logging.WARNING)
     dtype, device = _compute_dtype(mp.model), mp.load_device
     path = cache_path(memo, sigmas, dtype, device)
     if path not in memo.loaded and os.path.isfile(path):

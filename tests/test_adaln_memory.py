@@ -234,3 +234,25 @@ def test_with_weights_on_runs_the_module_on_copies_and_leaves_it_untouched(comfy
     h.remove()
     assert seen[0] != before["0.weight"][1] and seen[1] == before["0.weight"][1]   # the call ran on the copy
     assert all(torch.equal(t, before[n][0]) and t.data_ptr() == before[n][1] for n, t in lin.state_dict().items())
+
+
+def test_table_warns_once_when_a_merged_lora_patches_the_model(comfy, cache, fixtures_dir, caplog):
+    """A LoRA merged by core (LoraLoaderModelOnly) on an adaln=table model: patches on AdaLN keys cannot apply (the
+    keys are not in the model), so sampling warns once that they are not applied and what to do; without a merged
+    LoRA there is no such warning."""
+    import logging
+
+    from h3_turbo import state
+
+    state.LOGGED.clear()
+    with caplog.at_level(logging.WARNING, logger="h3_turbo"):
+        _sample(comfy, "table", "euler")
+    assert "weight patches" not in caplog.text
+    p = _prompt("table", "euler")
+    p["1l"] = {"class_type": "LoraLoaderModelOnly", "inputs": {"model": ["1", 0], "strength_model": 1.0,
+                                                               "lora_name": os.path.basename(fixtures_dir["lora_4step"])}}
+    p["2"]["inputs"]["model"] = ["1l", 0]
+    comfy.executor.reset()
+    with caplog.at_level(logging.WARNING, logger="h3_turbo"):
+        comfy.run_latents(p, ("12", "13"))
+    assert "adaln=table): this MODEL has" in caplog.text and "adaln=resident" in caplog.text

@@ -3,6 +3,7 @@ machines where the pack is not installed).
 
 import_package: ``import h3_turbo`` from this checkout.
 collect_logs: INFO logging to stderr, and the pack's log lines appended to a list (the result JSON's ``log``).
+h3_config: the fixture config (``tools.fixtures.TinyH3Config``) with the real H3's widths, or tiny widths for DRY.
 h3_qkv: attention inputs with H3's statistics in core ComfyUI's layout (``comfy/ldm/minimax/model.py``):
 q, k, v are [1, heads, S, d] strided views of one [S, 3*heads*d] bf16 qkv buffer, q and k per-head
 RMS-normalised times a per-channel gain in [1, 1.5), v cloned (as core's attention receives them).
@@ -58,3 +59,17 @@ def collect_logs(lines: list, width: int = 400) -> None:
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     logging.getLogger("h3_turbo").addHandler(_Collect())
+
+
+def h3_config(num_layers: int, dry: bool = False):
+    """``tools.fixtures.TinyH3Config`` with the real H3's widths (hidden 5376, 56 x 128 heads, FFN 14336, text 5120,
+    time embedder 256 -> 5376 -> 2688; 2 refiner blocks; Turbo LoRA rank 128) and ``num_layers`` DiT blocks; ``dry``:
+    the tiny widths the benchmarks' CPU checks use."""
+    from h3_turbo.tools.fixtures import TinyH3Config
+
+    if dry:
+        return TinyH3Config(hidden=128, heads=4, head_dim=32, ffn=256, text_dim=96, num_layers=num_layers,
+                            refiner_layers=2, lora_rank=8)
+    return TinyH3Config(hidden=5376, heads=56, head_dim=128, ffn=14336, text_dim=5120, timestep_input_dim=256,
+                        time_embed_hidden=5376, time_embed_dim=2688, rope_len=16, num_layers=num_layers,
+                        refiner_layers=2, lora_rank=128)

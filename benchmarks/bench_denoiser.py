@@ -187,14 +187,9 @@ def save():
 # ----------------------------------------------------------------------------------------- model + files
 
 def full_cfg(nb):
-    from h3_turbo.tools.fixtures import TinyH3Config
+    from _common import h3_config
 
-    if DRY:
-        return TinyH3Config(hidden=128, heads=4, head_dim=32, ffn=256, text_dim=96, num_layers=nb, refiner_layers=2,
-                            lora_rank=8)
-    return TinyH3Config(hidden=5376, heads=56, head_dim=128, ffn=14336, text_dim=5120, timestep_input_dim=256,
-                        time_embed_hidden=5376, time_embed_dim=2688, rope_len=16, num_layers=nb, refiner_layers=2,
-                        lora_rank=128)
+    return h3_config(nb, DRY)
 
 
 def make_files(cfg, models, dev):

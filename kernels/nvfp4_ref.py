@@ -68,8 +68,13 @@ def fp8_rowwise_from_weight(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
     sw = amax(|row|) / 448 (rows of zeros: sw = 1/448); w8 = e4m3(w * (448 / amax)), round to nearest even.
     """
     amax, inv, sw = fp8_row_factors(w)
-    w8 = (w.float() * inv[:, None]).clamp(-FP8_MAX, FP8_MAX).to(E4M3)
-    return w8, sw
+    return e4m3_rows(w, inv), sw
+
+
+def e4m3_rows(w: torch.Tensor, inv: torch.Tensor) -> torch.Tensor:
+    """e4m3(clamp(w * inv[:, None], +-448)) rounded to nearest even: a weight [n, k] re-expressed with the per-row
+    factors ``inv`` [n] of :func:`fp8_row_factors`."""
+    return (w.float() * inv[:, None]).clamp(-FP8_MAX, FP8_MAX).to(E4M3)
 
 
 def fp8_row_factors(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

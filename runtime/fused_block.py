@@ -126,32 +126,13 @@ def structure_problem(block) -> str | None:
 
 # --------------------------------------------------------------------------- the fp8 path's operands
 
-def prepared_weight(m, path: str = "fp8"):
-    """The layer's prepared weight for ``path``: :func:`runtime.ops.prepared` (the one cache ``kernel_forward`` uses
-    too, keyed by the weight object, storage, path and weight mode). Only for layers ``kernel_blocker`` accepts."""
-    from .ops import prepared
-
-    return prepared(m, path)
-
-
 def _fp8_weight(prepared, device, lora=None) -> tuple[torch.Tensor, torch.Tensor]:
     """(w8 e4m3 [Npad, K], sw fp32 [1, Npad]) of the ``fp8`` path for this layer: the base weight (lora None) or
-    W + s * B @ A folded into the layer's e4m3 slot (``lora``: :class:`kernels.paths.base.LoRAOperands` with a
-    ``fold_key``). The one place the fused block reads the fp8 path's weight: ``fp8.PATH.weight_operands`` when
-    the path provides it, else today's resident ``prepared.w8 / prepared.sw`` (``fp8.set_state`` switches the slot
-    between base and fold, as the path's own ``linear`` / ``lora`` do)."""
+    W + s * B @ A (``lora``: :class:`kernels.paths.base.LoRAOperands` with a ``fold_key``), resident or lean:
+    ``FP8Path.weight_operands``, the one accessor of the fp8 weight."""
     from ..kernels.paths import fp8
 
-    get = getattr(fp8.PATH, "weight_operands", None)
-    if get is not None:
-        return get(prepared, device, lora)
-    if lora is None:
-        if prepared.state is not None:
-            fp8.set_state(prepared, None, None)
-    else:
-        fp8.set_state(prepared, (lora.fold_key, float(lora.scale)),
-                      (lora.a, lora.bc, float(lora.scale), lora.nb, lora.amax_a))
-    return prepared.w8, prepared.sw
+    return fp8.PATH.weight_operands(prepared, device, lora)
 
 
 def _can_fold(prepared, nb: int) -> bool:
@@ -310,10 +291,11 @@ def _project(m, plan, x8s, bf16_input: Callable[[], torch.Tensor], probe, ops, r
     "module" calls the layer on ``bf16_input()``. A Turbo hook that cannot fold for this call (adapter offloaded,
     tile constraint) also goes through the layer's forward (the branch then runs its own route)."""
     from ..kernels.paths.base import LoRAOperands
+    from .ops import prepared as ops_prepared
 
     kind, info = plan
     if kind == "fold":
-        prepared = prepared_weight(m)
+        prepared = ops_prepared(m, "fp8")
         ops_ = info.h3turbo_lora_operands(probe)
         if ops_ is not None:
             a, bc, coef, blocks, amax_a, key = ops_
@@ -332,7 +314,7 @@ def _project(m, plan, x8s, bf16_input: Callable[[], torch.Tensor], probe, ops, r
         routes["module"] = routes.get("module", 0) + 1
         return m(bf16_input())
     routes["fp8"] = routes.get("fp8", 0) + 1
-    w8, sw = _fp8_weight(prepared_weight(m), probe.device)
+    w8, sw = _fp8_weight(ops_prepared(m, "fp8"), probe.device)
     x8, sx = x8s()
     return ops.gemm(x8, sx, w8, sw, m.out_features, probe.dtype)
 

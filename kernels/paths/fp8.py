@@ -115,23 +115,11 @@ class FP8Path(ComputePath):
         if not p.lean:
             set_state(p, None if lora is None else (lora.fold_key, float(lora.scale)), lt)
             return p.w8, p.sw
-        from .. import triton_nvfp4 as tk
-        pk = p.packed
-        n, k = p.out_features, p.in_features
-        npad = p.sw.shape[1]
-        w = base.scratch(device, torch.float8_e4m3fn, npad * k).view(npad, k)
-        gs = pk.global_scale.float().reshape(1).to(device)
-        if lt is None:
-            tk.fold_weight(pk.qdata, pk.block_scale, gs, n, k, w, inv_w=p.inv_w)
-            return w, p.sw
-        so = base.scratch(device, torch.float32, npad)
-        tk.fold_weight(pk.qdata, pk.block_scale, gs, n, k, w, lora=lt, amax_w=p.amax_w, scale_out=so)
-        return w, so.view(1, npad)
+        return derive(p, device, lt)
 
     def kernel_linear(self, x2d: torch.Tensor, p: PreparedFP8) -> torch.Tensor:
         if p.lean:
-            w8, sw = self.weight_operands(p, x2d.device)
-            return _scaled_mm(x2d, w8, sw, p.out_features)
+            return _scaled_mm(x2d, *derive(p, x2d.device), p.out_features)
         return _scaled_mm(x2d, p.w8, p.sw, p.out_features)
 
     def lora(self, x2d: torch.Tensor, p, lo: LoRAOperands):
@@ -199,30 +187,41 @@ def base_into(packed: PackedNVFP4, w8: torch.Tensor | None, sw: torch.Tensor, am
             tk.fold_weight(q, bs, gs, r1 - r0, k, wf)
         else:
             wf = ref.dequant_exact(q, bs, gs, r1 - r0, k, torch.float32)
+        amax, inv, sw[r0:r1] = ref.fp8_row_factors(wf)       # = nvfp4_ref.fp8_rowwise_from_weight's
         if w8 is not None:
-            w8[r0:r1], sw[r0:r1] = ref.fp8_rowwise_from_weight(wf)
-        amax, inv, s = ref.fp8_row_factors(wf)
-        if w8 is None:
-            sw[r0:r1] = s
+            w8[r0:r1] = ref.e4m3_rows(wf, inv)
         if amax_w is not None:
             amax_w[r0:r1] = amax
         if inv_w is not None:
             inv_w[r0:r1] = inv
 
 
-def fold_per_call(x2d: torch.Tensor, p: PreparedFP8, lora: tuple) -> torch.Tensor:
-    """fp8 + LoRA: W' = W + scale * Bc @ A re-expressed per call as e4m3 with one scale per row (an upper
-    bound of max |W'| per row, ``fold_weight``), from the native NVFP4 storage (one rounding of W'); x quantized
-    per row; one rowwise ``torch._scaled_mm``. ``lora`` = (A, Bc, scale, nb, amax_a)."""
+def derive(p: PreparedFP8, device, lora: tuple | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The e4m3 weight (w [Npad16, K], sw fp32 [1, Npad16]) derived now from the native NVFP4 storage into the reused
+    per-device buffers (``triton_nvfp4.fold_weight``): the base with the stored factors 448/amax (the resident
+    copy's bytes; needs ``p.inv_w``, i.e. a lean ``p``), or W' = W + scale * Bc @ A with one scale per row (an
+    upper bound of max |W'| per row; one rounding of W'). ``lora`` = (A, Bc, scale, nb, amax_a). Valid until the
+    next derivation on this device."""
     from .. import triton_nvfp4 as tk
     pk = p.packed
     n, k = p.out_features, p.in_features
     npad = p.sw.shape[1]
-    w = base.scratch(x2d.device, torch.float8_e4m3fn, npad * k).view(npad, k)
-    so = base.scratch(x2d.device, torch.float32, npad)
-    tk.fold_weight(pk.qdata, pk.block_scale, pk.global_scale.float().reshape(1).to(x2d.device), n, k, w, lora=lora,
-                   amax_w=p.amax_w, scale_out=so)
-    return _scaled_mm(x2d, w, so.view(1, npad), n)
+    w = base.scratch(device, torch.float8_e4m3fn, npad * k).view(npad, k)
+    gs = pk.global_scale.float().reshape(1).to(device)
+    if lora is None:
+        if p.inv_w is None:
+            raise ValueError("fp8 derive: the base weight needs the lean factors (prepare(lean=True))")
+        tk.fold_weight(pk.qdata, pk.block_scale, gs, n, k, w, inv_w=p.inv_w)
+        return w, p.sw
+    so = base.scratch(device, torch.float32, npad)
+    tk.fold_weight(pk.qdata, pk.block_scale, gs, n, k, w, lora=lora, amax_w=p.amax_w, scale_out=so)
+    return w, so.view(1, npad)
+
+
+def fold_per_call(x2d: torch.Tensor, p: PreparedFP8, lora: tuple) -> torch.Tensor:
+    """fp8 + LoRA in one rowwise ``torch._scaled_mm``: W' derived per call (:func:`derive`), x quantized per row.
+    ``lora`` = (A, Bc, scale, nb, amax_a)."""
+    return _scaled_mm(x2d, *derive(p, x2d.device, lora), p.out_features)
 
 
 def set_state(p: PreparedFP8, key, lora: tuple | None) -> None:

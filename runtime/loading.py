@@ -70,6 +70,14 @@ ADALN_MARGIN_BYTES = 4 << 30
 ADALN_MARGIN_FRACTION = 0.10
 
 
+def _need_and_free(resident_bytes: int, device) -> tuple[int, int]:
+    """(bytes needed: ``resident_bytes`` + 10 % + 4 GiB, ComfyUI's free memory on ``device``): the margin both ``auto``
+    choices (``adaln``, ``weights``) keep."""
+    import comfy.model_management as mm
+
+    return int(resident_bytes * (1 + ADALN_MARGIN_FRACTION)) + ADALN_MARGIN_BYTES, int(mm.get_free_memory(device))
+
+
 def resolve_adaln(requested: str, diffusion_model, device, model_bytes: int) -> tuple[str, str]:
     """``(mode, reason)`` for the loader's ``adaln`` input: ``resident`` (core's modules on the device), ``table``
     (:mod:`h3_turbo.runtime.adaln_memo`: the weights in CPU memory, rows per timestep group) or, for ``auto``,
@@ -84,10 +92,7 @@ def resolve_adaln(requested: str, diffusion_model, device, model_bytes: int) -> 
         return requested, "requested"
     if torch.device(device).type == "cpu":
         return "resident", "CPU: the weights already live in CPU memory"
-    import comfy.model_management as mm
-
-    free = int(mm.get_free_memory(device))
-    need = int(model_bytes * (1 + ADALN_MARGIN_FRACTION)) + ADALN_MARGIN_BYTES
+    need, free = _need_and_free(model_bytes, device)
     if need <= free:
         return "resident", f"model {model_bytes / 2**30:.1f} GiB + margin fits {free / 2**30:.1f} GiB free"
     return "table", f"model {model_bytes / 2**30:.1f} GiB + margin exceeds {free / 2**30:.1f} GiB free"
@@ -111,14 +116,10 @@ def resolve_weights(requested: str, cpath: str, device, model_bytes: int,
         return "lean", f"compute={cpath} keeps no per-layer weight copies (the weights input changes nothing)"
     if requested != "auto":
         return requested, "requested"
-    copies = dispatch.prepared_bytes(shapes, cpath) - dispatch.prepared_bytes(shapes, cpath, lean=True)
     if torch.device(device).type == "cpu":
         return "resident", "CPU: the kernels do not run here"
-    import comfy.model_management as mm
-
-    free = int(mm.get_free_memory(device))
-    need = int((model_bytes + copies + dispatch.workspace_bytes(shapes, cpath)) * (1 + ADALN_MARGIN_FRACTION)) \
-        + ADALN_MARGIN_BYTES
+    copies = dispatch.prepared_bytes(shapes, cpath) - dispatch.prepared_bytes(shapes, cpath, lean=True)
+    need, free = _need_and_free(model_bytes + copies + dispatch.workspace_bytes(shapes, cpath), device)
     nums = (f"model {model_bytes / 2**30:.1f} GiB + {copies / 2**30:.1f} GiB {cpath} copies + margin = "
             f"{need / 2**30:.1f} GiB, {free / 2**30:.1f} GiB free")
     return ("resident", f"fits: {nums}") if need <= free else ("lean", f"does not fit: {nums}")

@@ -17,29 +17,12 @@ import torch
 
 from h3_turbo.harness import PromptFailed
 
+from corpus import PatchTable  # noqa: E402  (tests/ is on sys.path)
+
 pytestmark = pytest.mark.comfyui
 
 UNET = "h3_tiny_bf16.safetensors"
 _N = [0]
-
-
-class _FixedTable:
-    """Test-only: a fixed AdaLN table (runtime/adaln.py ``patch``) on a clone of a MODEL."""
-
-    @classmethod
-    def INPUT_TYPES(cls):
-        return {"required": {"model": ("MODEL",), "table": ("STRING", {"default": ""})}}
-
-    RETURN_TYPES = ("MODEL",)
-    FUNCTION = "go"
-    CATEGORY = "h3_turbo_tests"
-
-    def go(self, model, table):
-        from h3_turbo.runtime import adaln
-
-        m = model.clone()
-        adaln.patch(m, adaln.read_table(table))
-        return (m,)
 
 
 @pytest.fixture(scope="module")
@@ -49,7 +32,7 @@ def cache(comfy, tmp_path_factory):
     d = tmp_path_factory.mktemp("adaln_cache")
     old = os.environ.get("H3_TURBO_ADALN_CACHE")
     os.environ["H3_TURBO_ADALN_CACHE"] = str(d)
-    nodes.NODE_CLASS_MAPPINGS["H3TurboTestFixedTable"] = _FixedTable
+    nodes.NODE_CLASS_MAPPINGS["H3TurboTestFixedTable"] = PatchTable
     yield str(d)
     nodes.NODE_CLASS_MAPPINGS.pop("H3TurboTestFixedTable", None)
     if old is None:

@@ -18,6 +18,8 @@ import torch
 
 from h3_turbo.adapters import contracts
 
+from corpus import PatchTable  # noqa: E402  (tests/ is on sys.path)
+
 pytestmark = pytest.mark.comfyui
 
 SUB = "h3t_dmd"
@@ -40,25 +42,6 @@ class _AttachDMD:
         return (m,)
 
 
-class _PatchTable:
-    """Test-only: put an AdaLN table on a clone of any H3 MODEL as object patches (runtime/adaln.py ``patch``)."""
-
-    @classmethod
-    def INPUT_TYPES(cls):
-        return {"required": {"model": ("MODEL",), "table": ("STRING", {"default": ""})}}
-
-    RETURN_TYPES = ("MODEL",)
-    FUNCTION = "go"
-    CATEGORY = "h3_turbo_tests"
-
-    def go(self, model, table):
-        from h3_turbo.runtime import adaln
-
-        m = model.clone()
-        adaln.patch(m, adaln.read_table(table))
-        return (m,)
-
-
 @pytest.fixture(scope="module")
 def release(comfy, fixtures_dir, tmp_path_factory):
     import folder_paths
@@ -72,7 +55,7 @@ def release(comfy, fixtures_dir, tmp_path_factory):
     os.symlink(rel["adaln"], tables / "tiny_dmd_fp32.safetensors")
     folder_paths.add_model_folder_path("h3turbo_adaln", str(tables), is_default=True)
     nodes.NODE_CLASS_MAPPINGS["H3TurboTestAttachDMD"] = _AttachDMD
-    nodes.NODE_CLASS_MAPPINGS["H3TurboTestPatchTable"] = _PatchTable
+    nodes.NODE_CLASS_MAPPINGS["H3TurboTestPatchTable"] = PatchTable
     yield rel
     nodes.NODE_CLASS_MAPPINGS.pop("H3TurboTestAttachDMD", None)
     nodes.NODE_CLASS_MAPPINGS.pop("H3TurboTestPatchTable", None)

@@ -508,3 +508,22 @@ def with_vsa_gates(src: str, dst: str) -> str:
         gate = torch.randn(inner, hidden, generator=g) * 0.02
         sd[k.replace("qkv_proj", "to_gate_compress")] = gate.to(torch.bfloat16)
     return _save(sd, dst, meta)
+
+
+class PatchTable:
+    """Test-only ComfyUI node: put a fixed AdaLN table on a clone of an H3 MODEL (``runtime/adaln.py`` ``patch``)."""
+
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {"required": {"model": ("MODEL",), "table": ("STRING", {"default": ""})}}
+
+    RETURN_TYPES = ("MODEL",)
+    FUNCTION = "go"
+    CATEGORY = "h3_turbo_tests"
+
+    def go(self, model, table):
+        from h3_turbo.runtime import adaln
+
+        m = model.clone()
+        adaln.patch(m, adaln.read_table(table))
+        return (m,)

@@ -11,7 +11,9 @@ Three parts, each saved to ``$OUT/$TAG.json`` after every step (default TAG benc
      vs one ``fused.norm_mod``;
    - ``res_norm_mod``: per-segment ``addcmul_`` (core's ``_mod_gate``) + the above vs ``norm_mod(residual=...)``;
    - ``swiglu``: core's eager SwiGLU + ``quant_rows_fp8`` vs ``fused.swiglu`` (two-pass and one-pass variants);
-   - ``gate_residual``: per-segment ``addcmul_`` vs ``fused.gate_residual_`` (and a bit-identity check).
+   - ``gate_residual``: per-segment ``addcmul_`` vs ``fused.gate_residual_`` (and a bit-identity check);
+   - ``qk_norm_rope``: core's comfy-kitchen ``rms_rope_split_half_`` + ``v.clone()`` vs one ``fused.qk_norm_rope``
+     (a sweep of its rows / warps; ulp distance to kitchen's output, both against the float64 reference).
 2. ``block``: one full-width H3 DiT block (hidden 5376, 56x128 heads, ffn 14336, t_dim 2688; random weights,
    projections quantized by ``formats.nvfp4.quantize`` and loaded into the pack's operations as ComfyUI-native
    NVFP4) at each of ROWS: core's block on compute ``fp8`` (today's path), the fused block, and core's block on
@@ -280,8 +282,50 @@ def kernels_part():
             t = bench(lambda: tk.quant_rows_fp8(a))
             return {"ms_quant_rows_fp8": t, "bytes_min": bytes_, "gbps": bytes_ / t / 1e6}
 
+        def k_qk_rope():
+            import comfy.quant_ops
+            import comfy.ldm.minimax.model as mm_h3
+
+            inner = HEADS * HD
+            qkv0 = mk(s, 3 * inner, 3.0)
+            ang = torch.randn(s, 96, device=DEV, generator=g) * 20.0
+            table = mm_h3.rope_rotation_table(torch.cat((ang[:, :48], ang[:, :48]), 1), BF16)
+            qw = (1.0 + 0.2 * torch.randn(HD, device=DEV, generator=g)).to(BF16)
+            kw = (1.0 + 0.2 * torch.randn(HD, device=DEV, generator=g)).to(BF16)
+            bufs = [qkv0.clone(), qkv0.clone()]
+
+            def unfused(b=bufs[0]):     # core's Attention: kitchen RMSNorm+RoPE in place, then v.clone()
+                q = b[:, :inner].view(1, s, HEADS, HD)
+                k = b[:, inner:2 * inner].view(1, s, HEADS, HD)
+                comfy.quant_ops.ck.rms_rope_split_half_(q, k, table, qw, kw, epsilon=1e-6, rot_dim=96)
+                return b[:, 2 * inner:].view(s, HEADS, HD).clone()
+
+            bytes_ = s * inner * 2 * (2 * 2 + 2)        # q, k read + written, v read + written
+            out = {"ms_unfused": bench(unfused), "bytes_min": bytes_}
+            before = dict(fk.SETTINGS)
+            best = None
+            for rows_, warps in ((16, 4), (32, 4), (64, 4), (32, 8), (64, 8)):
+                fk.SETTINGS.update(rope_rows=rows_, rope_warps=warps)
+                t = bench(lambda: fk.qk_norm_rope(bufs[1], HEADS, HD, table, qw, kw, 1e-6))
+                out[f"ms_fused_rows{rows_}_warps{warps}"] = t
+                if best is None or t < best[0]:
+                    best = (t, rows_, warps)
+            fk.SETTINGS.update(before)
+            out.update(ms_fused=best[0], best_rows=best[1], best_warps=best[2], speedup=out["ms_unfused"] / best[0],
+                       gbps_fused=bytes_ / best[0] / 1e6)
+            a, b = qkv0.clone(), qkv0.clone()
+            v0 = unfused(a)
+            v1 = fk.qk_norm_rope(b, HEADS, HD, table, qw, kw, 1e-6)
+            d = (a.view(torch.int16).int() - b.view(torch.int16).int()).abs()
+            ref = fk.qk_norm_rope_ref(qkv0[sample], HEADS, HD, table[:, sample], qw, kw, 1e-6)
+            out.update(v_bit_identical=bool(torch.equal(v0, v1)), ulp_max_vs_kitchen=int(d.max()),
+                       ulp_mismatch_frac_vs_kitchen=float((d > 0).float().mean()),
+                       rel_l2_vs_kitchen=rel(b, a), rel_l2_vs_ref=rel(b[sample], ref),
+                       kitchen_rel_l2_vs_ref=rel(a[sample], ref))
+            return out
+
         for name, fn in (("norm_mod", k_norm_mod), ("res_norm_mod", k_res_norm_mod), ("swiglu", k_swiglu),
-                         ("gate_residual", k_gate_res), ("quant_attn_out", k_quant_out)):
+                         ("gate_residual", k_gate_res), ("quant_attn_out", k_quant_out), ("qk_norm_rope", k_qk_rope)):
             step("kernels", f"{name}@{s}", fn)
         del x, o
 

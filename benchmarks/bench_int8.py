@@ -14,6 +14,9 @@ Run on the GPU machine from the repo root:  python3 benchmarks/bench_int8.py
 Env: OUT (result folder, default benchmarks/results), S_LIST (default 19584,37632), REP_MS (default 200), METHODS
 (comma list, default bf16,int8,int8_gemm,fp8; add int8_int_mm), TAG (file name suffix), DRY=1 (tiny shapes on the
 CPU: a smoke test of this script, not a measurement). Writes bench_int8_h200[_TAG].json and .md.
+SWEEP=1: first time the GEMM alone (pre-quantized activations) under every configuration of :data:`SWEEP_CONFIGS`
+at the first S of S_LIST, each checked against the autotuned kernel's output, with bf16 in the same loop; writes
+bench_int8_h200_sweep[_TAG].json after every shape (a killed run keeps what it measured).
 """
 from __future__ import annotations
 
@@ -52,6 +55,69 @@ SHAPES = {"qkv": (21504, 5376), "out": (5376, 7168), "fc1": (28672, 5376), "fc2"
 if DRY:
     SHAPES = {"qkv": (384, 176), "out": (176, 224), "fc1": (512, 176), "fc2": (176, 272)}
 ERR_ROWS = 1024
+SWEEP = os.environ.get("SWEEP", "0") == "1"
+SWEEP_REP = int(os.environ.get("SWEEP_REP_MS", "60"))
+
+
+def _c(bm, bn, w, st, **kw):
+    return dict({"BM": bm, "BN": bn, "GROUP_M": 8, "num_warps": w, "num_stages": st}, **kw)
+
+
+#: candidate launch configurations of kernels/int8_triton.py's GEMM (PIPE / TMA / WS / maxnreg: see its docstring)
+SWEEP_CONFIGS = [
+    _c(128, 128, 8, 3), _c(128, 128, 8, 4), _c(128, 256, 8, 3),
+    _c(128, 128, 8, 3, PIPE=True), _c(128, 128, 8, 4, PIPE=True), _c(64, 128, 4, 4, PIPE=True),
+    _c(64, 128, 4, 4, maxnreg=168), _c(64, 256, 8, 3), _c(64, 128, 4, 3, maxnreg=128),
+    _c(128, 128, 8, 3, TMA=True), _c(128, 128, 8, 4, TMA=True), _c(128, 256, 8, 3, TMA=True),
+    _c(128, 128, 8, 4, TMA=True, PIPE=True), _c(64, 128, 4, 4, TMA=True, maxnreg=168),
+    _c(128, 128, 8, 4, TMA=True, WS=True), _c(128, 256, 8, 3, TMA=True, WS=True), _c(128, 128, 4, 4, TMA=True, WS=True),
+]
+if DRY:
+    SWEEP_CONFIGS = [_c(32, 32, 4, 1), _c(32, 32, 4, 1, PIPE=True), _c(32, 64, 4, 1, TMA=True)]
+
+
+def sweep(s: int) -> dict:
+    """{shape: {"bf16": ms, "configs": [{config, ms | error, rel_vs_autotuned}], "best": ...}} at s rows."""
+    from h3_turbo.kernels import int8_triton as it
+
+    out = {"S": s, "shapes": {}}
+    for i, (name, (n, k)) in enumerate(SHAPES.items()):
+        w = h3_weight(n, k, 17 * i + s)
+        x = h3_act(s, k, 17 * i + s + 1)
+        q8 = ib.quantize_weight(w)
+        xq, sx = it.quantize_blocks(x)
+        ref = it.gemm_quantized(xq, sx, q8, x.dtype)
+        row = {"N": n, "K": k, "bf16": bench(lambda: F.linear(x, w)), "autotuned": bench(lambda: it.gemm_quantized(xq, sx, q8, x.dtype)), "configs": []}
+        for cfg in SWEEP_CONFIGS:
+            it.FORCED["config"] = cfg
+            e = {"config": cfg}
+            try:
+                y = it.gemm_quantized(xq, sx, q8, x.dtype)
+                e["rel_vs_autotuned"] = rel(y, ref)
+                e["ms"] = bench(lambda: it.gemm_quantized(xq, sx, q8, x.dtype)) if not DRY else 0.0
+            except Exception as ex:  # noqa: BLE001 - a config that does not compile is a result
+                e["error"] = f"{type(ex).__name__}: {str(ex)[:300]}"
+            finally:
+                it.FORCED["config"] = None
+            row["configs"].append(e)
+            print(name, json.dumps(e), flush=True)
+        ok = [e for e in row["configs"] if "ms" in e and e.get("rel_vs_autotuned", 1) < 1e-2]
+        if ok:
+            best = min(ok, key=lambda e: e["ms"])
+            row["best"] = best
+            row["best_to_bf16"] = best["ms"] / row["bf16"]
+        out["shapes"][name] = row
+        os.makedirs(OUT, exist_ok=True)
+        with open(os.path.join(OUT, "bench_int8_h200_sweep" + (f"_{TAG}" if TAG else "") + ".json"), "w") as f:
+            json.dump(out, f, indent=1)
+    rows = out["shapes"].values()
+    if all("best" in r for r in rows):
+        out["sum_best_to_bf16"] = sum(r["best"]["ms"] for r in rows) / sum(r["bf16"] for r in rows)
+        out["sum_autotuned_to_bf16"] = sum(r["autotuned"] for r in rows) / sum(r["bf16"] for r in rows)
+    with open(os.path.join(OUT, "bench_int8_h200_sweep" + (f"_{TAG}" if TAG else "") + ".json"), "w") as f:
+        json.dump(out, f, indent=1)
+    print("sweep:", json.dumps({k: v for k, v in out.items() if k != "shapes"}), flush=True)
+    return out
 
 
 def bench(fn) -> float:
@@ -137,6 +203,8 @@ def run_shape(name, n, k, s, seed):
 def main():
     if not DRY and not torch.cuda.is_available():
         sys.exit("bench_int8: needs a CUDA GPU (or DRY=1 for the CPU smoke run)")
+    if SWEEP:
+        sweep(S_LIST[0])
     results = []
     for s in S_LIST:
         for i, (name, (n, k)) in enumerate(SHAPES.items()):

@@ -16,6 +16,13 @@ already hold, instead of writing bf16 and quantizing it in a separate pass:
 - :func:`gate_residual_` (c): ``x[r] = round(x[r] + other[r] * gate[seg(r)])`` in place: fp32 product of two
   values of x's dtype (exact) plus x, one rounding: the arithmetic of core's per-segment
   ``x[a:b].addcmul_(other[a:b], gate[row].to(x.dtype))``; one launch for all segments.
+- :func:`qk_norm_rope` (e): core's per-head q/k RMSNorm + partial split-half RoPE, in place on the qkv GEMM
+  output, and v copied out contiguous (core's ``v.clone()``), in one launch: ``n = round(x * rsqrt(mean(x^2) + eps)
+  * w)`` per head of q / k (w = q_norm / k_norm weight, the norm rounded to x's dtype as core's RMSNorm materialises
+  it), then for pair i < R/2 (R = rot_dim): ``(n_i, n_{i+R/2}) <- (f00 n_i + f01 n_{i+R/2}, f10 n_i + f11 n_{i+R/2})``
+  with core's rotation table ``f[s, i] = [[cos, -sin], [sin, cos]]``, in fp32, one rounding; dims >= R pass
+  through normed. The arithmetic of comfy-kitchen's ``rms_rope_split_half_`` (eager reference
+  :func:`qk_norm_rope_ref`), replacing its kernel plus the copy of v.
 - :func:`fp8_gemm`: rowwise ``torch._scaled_mm`` on an already quantized input (the ``fp8`` path's GEMM without
   its quantization pass); :func:`fp8_gemm_ref` its fp32 emulation.
 
@@ -45,10 +52,12 @@ _ACT_DTYPES = (torch.bfloat16, torch.float16)
 
 #: launch settings (benchmarks/bench_fused.py sweeps them on the GPU); ``None`` entries are derived per call
 SETTINGS = {
-    "norm_warps": 16,        # rows of K <= 8192 elements held in registers by one program
+    "norm_warps": 4,         # rows of K <= 8192 elements held in registers by one program (H200: 4 < 8 < 16)
     "swiglu_block": 2048,    # chunk of the two-pass SwiGLU (re-reads the row from L2 for the quantization)
-    "swiglu_one_pass": False,  # True: the whole row in registers (BLOCK = next_pow2(F)), one read
+    "swiglu_one_pass": True,   # the whole row in registers (BLOCK = next_pow2(F)), one read (H200: 0.35 vs 0.58 ms)
     "swiglu_warps": 8,
+    "rope_rows": 32,         # rows of one head per qk_norm_rope program
+    "rope_warps": 4,
     "gate_block": 2048,
     "gate_warps": 4,
 }
@@ -206,6 +215,51 @@ if triton is not None:
                    INTERP).to(tl.float32)
         tl.store(x_ptr + row * stride_x + offs, _round(x + o * g, x_ptr.dtype.element_ty, INTERP), mask=m)
 
+    @triton.jit
+    def _qk_rope_kernel(x_ptr, v_ptr, w_ptr, f_ptr, S, H, eps, stride_x, stride_fs, stride_fi, stride_fr,
+                        stride_fc, D: tl.constexpr, R2: tl.constexpr, P2: tl.constexpr, PT: tl.constexpr,
+                        BS: tl.constexpr, INTERP: tl.constexpr):
+        """Rows [BS * pid0, +BS) of head column j = pid1: j < 2H: RMSNorm (weights w_ptr [2, D]: q's, k's) + rotation
+        of q (j < H) / k head in place
+        (columns j*D .. j*D+D); j >= 2H: copy of v head j-2H into v_ptr [S, H, D]. R2 = rot_dim / 2 pairs (P2 its
+        next power of two), PT = next power of two of D - 2*R2 (the pass-through dims)."""
+        j = tl.program_id(1)
+        rows = tl.program_id(0) * BS + tl.arange(0, BS)
+        rm = rows < S
+        r64 = rows.to(tl.int64)
+        base = x_ptr + r64[:, None] * stride_x + j * D
+        dt = x_ptr.dtype.element_ty
+        if j >= 2 * H:
+            cols = tl.arange(0, D)
+            t = tl.load(base + cols[None, :], mask=rm[:, None], other=0.0)
+            tl.store(v_ptr + r64[:, None] * (H * D) + (j - 2 * H) * D + cols[None, :], t, mask=rm[:, None])
+        else:
+            ia = tl.arange(0, P2)
+            ma = ia < R2
+            ip = 2 * R2 + tl.arange(0, PT)
+            mp = ip < D
+            xa = tl.load(base + ia[None, :], mask=rm[:, None] & ma[None, :], other=0.0).to(tl.float32)
+            xb = tl.load(base + R2 + ia[None, :], mask=rm[:, None] & ma[None, :], other=0.0).to(tl.float32)
+            xp = tl.load(base + ip[None, :], mask=rm[:, None] & mp[None, :], other=0.0).to(tl.float32)
+            ss = tl.sum(xa * xa, axis=1) + tl.sum(xb * xb, axis=1) + tl.sum(xp * xp, axis=1)
+            inv = 1.0 / tl.sqrt(ss / D + eps)
+            w_ptr = w_ptr + (j // H) * D             # [q_norm weight; k_norm weight]
+            wa = tl.load(w_ptr + ia, mask=ma, other=0.0).to(tl.float32)
+            wb = tl.load(w_ptr + R2 + ia, mask=ma, other=0.0).to(tl.float32)
+            wp = tl.load(w_ptr + ip, mask=mp, other=0.0).to(tl.float32)
+            na = _round(xa * inv[:, None] * wa[None, :], dt, INTERP).to(tl.float32)
+            nb = _round(xb * inv[:, None] * wb[None, :], dt, INTERP).to(tl.float32)
+            fb = f_ptr + r64[:, None] * stride_fs + ia[None, :] * stride_fi
+            fm = rm[:, None] & ma[None, :]
+            f00 = tl.load(fb, mask=fm, other=0.0).to(tl.float32)
+            f01 = tl.load(fb + stride_fc, mask=fm, other=0.0).to(tl.float32)
+            f10 = tl.load(fb + stride_fr, mask=fm, other=0.0).to(tl.float32)
+            f11 = tl.load(fb + stride_fr + stride_fc, mask=fm, other=0.0).to(tl.float32)
+            tl.store(base + ia[None, :], _round(f00 * na + f01 * nb, dt, INTERP), mask=fm)
+            tl.store(base + R2 + ia[None, :], _round(f10 * na + f11 * nb, dt, INTERP), mask=fm)
+            tl.store(base + ip[None, :], _round(xp * inv[:, None] * wp[None, :], dt, INTERP),
+                     mask=rm[:, None] & mp[None, :])
+
 
 def _need_triton(where: str, *ts: torch.Tensor) -> None:
     if triton is None:
@@ -332,6 +386,54 @@ def quant_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return quant_rows_fp8(x)
 
 
+def rope_table_problem(qkv: torch.Tensor, heads: int, head_dim: int, freqs: torch.Tensor) -> str | None:
+    """None if ``freqs`` is a rotation table :func:`qk_norm_rope` reads for ``qkv`` [S, 3 * heads * head_dim]:
+    [1, S, 1, R/2, 2, 2] (core's ``rope_rotation_table``) with 0 < R <= head_dim, else what differs."""
+    s = qkv.shape[0]
+    if freqs.dim() != 6 or freqs.shape[0] != 1 or freqs.shape[1] != s or freqs.shape[2] != 1 \
+            or tuple(freqs.shape[-2:]) != (2, 2):
+        return f"rope table shape {tuple(freqs.shape)}, expected [1, {s}, 1, R/2, 2, 2]"
+    r2 = int(freqs.shape[3])
+    if not 0 < 2 * r2 <= head_dim:
+        return f"rope table rotates {2 * r2} dims of a {head_dim}-dim head"
+    if freqs.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        return f"rope table dtype {freqs.dtype}"
+    return None
+
+
+def qk_norm_rope(qkv: torch.Tensor, heads: int, head_dim: int, freqs: torch.Tensor, q_weight: torch.Tensor,
+                 k_weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Core's q/k RMSNorm + partial split-half RoPE in place on ``qkv`` and a contiguous copy of v (kernel (e)).
+
+    qkv [S, 3 * heads * head_dim] bf16/fp16 ([q | k | v] columns, unit column stride, the qkv GEMM output);
+    freqs [1, S, 1, R/2, 2, 2] (:func:`rope_table_problem`); q_weight / k_weight [head_dim]. Returns v
+    [S, heads, head_dim] contiguous (core's ``v.clone()``); the q and k columns of qkv are overwritten. Formula:
+    module docstring; eager reference :func:`qk_norm_rope_ref`. ValueError naming the argument on bad input."""
+    where = "fused.qk_norm_rope"
+    _need_triton(where, qkv)
+    _check_act(where, "qkv", qkv)
+    s, width = qkv.shape
+    if width != 3 * heads * head_dim or head_dim & (head_dim - 1):
+        raise ValueError(f"{where}: qkv has {width} columns, expected 3 * heads * head_dim = {3 * heads * head_dim} "
+                         f"with a power-of-two head_dim (got {head_dim})")
+    why = rope_table_problem(qkv, heads, head_dim, freqs)
+    if why is not None:
+        raise ValueError(f"{where}: {why}")
+    for name, w in (("q_weight", q_weight), ("k_weight", k_weight)):
+        if w.shape != (head_dim,) or w.device != qkv.device:
+            raise ValueError(f"{where}: {name} must be [{head_dim}] on {qkv.device}, got {tuple(w.shape)} on {w.device}")
+    r2 = int(freqs.shape[3])
+    v = torch.empty((s, heads, head_dim), device=qkv.device, dtype=qkv.dtype)
+    if s:
+        bs = 16 if INTERPRET else int(SETTINGS["rope_rows"])
+        _qk_rope_kernel[(triton.cdiv(s, bs), 3 * heads)](
+            qkv, v, torch.cat((q_weight.reshape(-1), k_weight.reshape(-1))), freqs, s, heads, float(eps), qkv.stride(0),
+            freqs.stride(1), freqs.stride(3), freqs.stride(4), freqs.stride(5), D=head_dim, R2=r2,
+            P2=triton.next_power_of_2(r2), PT=max(1, triton.next_power_of_2(max(head_dim - 2 * r2, 1))), BS=bs,
+            INTERP=INTERPRET, num_warps=4 if INTERPRET else SETTINGS["rope_warps"])
+    return v
+
+
 # --------------------------------------------------------------------------- GEMM on a quantized input
 
 def fp8_gemm(x8: torch.Tensor, sx: torch.Tensor, w8: torch.Tensor, sw: torch.Tensor, n: int,
@@ -379,6 +481,28 @@ def swiglu_ref(h: torch.Tensor, dtype=torch.float64) -> torch.Tensor:
     return torch.nn.functional.silu(g) * u
 
 
+def qk_norm_rope_ref(qkv: torch.Tensor, heads: int, head_dim: int, freqs: torch.Tensor, q_weight: torch.Tensor,
+                     k_weight: torch.Tensor, eps: float, dtype=torch.float64) -> torch.Tensor:
+    """Eager reference of :func:`qk_norm_rope` (never modifies qkv): the new [S, 3 * heads * head_dim] tensor with
+    q / k normed and rotated (the norm rounded to qkv's dtype, the rotation in ``dtype``, one final rounding)."""
+    s = qkv.shape[0]
+    inner = heads * head_dim
+    r2 = int(freqs.shape[3])
+    out = qkv.clone()
+    f = freqs.reshape(s, r2, 2, 2).to(dtype)
+    for c0, w in ((0, q_weight), (inner, k_weight)):
+        x = qkv[:, c0:c0 + inner].reshape(s, heads, head_dim).to(dtype)
+        inv = torch.rsqrt(x.pow(2).mean(dim=-1, keepdim=True) + eps)
+        n = (x * inv * w.to(dtype)).to(qkv.dtype).to(dtype)
+        a, b = n[..., :r2], n[..., r2:2 * r2]
+        fa = f[:, None]
+        ra = fa[..., 0, 0] * a + fa[..., 0, 1] * b
+        rb = fa[..., 1, 0] * a + fa[..., 1, 1] * b
+        y = torch.cat((ra, rb, n[..., 2 * r2:]), dim=-1)
+        out[:, c0:c0 + inner] = y.reshape(s, inner).to(qkv.dtype)
+    return out
+
+
 def gate_residual_ref(x, other, gate, rows) -> torch.Tensor:
     """Core's per-row arithmetic: ``torch.addcmul(x, other, gate[rows].to(x.dtype))`` (a new tensor)."""
     return torch.addcmul(x, other, gate[rows.long().to(x.device)].to(x.dtype))
@@ -414,6 +538,12 @@ class EagerOps:
     def quant_rows(x):
         return quantize_rows(x)
 
+    @staticmethod
+    def qk_norm_rope(qkv, heads, head_dim, freqs, q_weight, k_weight, eps):
+        new = qk_norm_rope_ref(qkv, heads, head_dim, freqs, q_weight, k_weight, eps, dtype=torch.float32)
+        qkv.copy_(new)
+        return qkv[:, 2 * heads * head_dim:].reshape(qkv.shape[0], heads, head_dim).clone()
+
     gemm = staticmethod(fp8_gemm_ref)
 
 
@@ -425,6 +555,7 @@ class TritonOps:
     swiglu = staticmethod(swiglu)
     gate_residual_ = staticmethod(gate_residual_)
     quant_rows = staticmethod(quant_rows)
+    qk_norm_rope = staticmethod(qk_norm_rope)
     gemm = staticmethod(fp8_gemm)
 
 

@@ -57,9 +57,61 @@ def quantize_blocks(x2d: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 @triton.jit
+def _tiles(xq_ptr, wq_ptr, kb, pid_m, pid_n, offs_m, offs_n, offs_k, m_ok, n_ok, K, stride_xm, stride_wn,
+           EVEN_K: tl.constexpr, TMA: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
+    """The int8 operands of K block ``kb``: a [BM, 128] activations, b [128, BN] weights (K-major)."""
+    if TMA:
+        a = xq_ptr.load([pid_m * BM, kb * 128])
+        b = wq_ptr.load([pid_n * BN, kb * 128]).T
+    else:
+        k = kb * 128 + offs_k
+        if EVEN_K:
+            a = tl.load(xq_ptr + offs_m[:, None] * stride_xm + k[None, :], mask=m_ok[:, None], other=0)
+            b = tl.load(wq_ptr + offs_n[None, :] * stride_wn + k[:, None], mask=n_ok[None, :], other=0)
+        else:
+            k_ok = k < K
+            a = tl.load(xq_ptr + offs_m[:, None] * stride_xm + k[None, :], mask=m_ok[:, None] & k_ok[None, :],
+                        other=0)
+            b = tl.load(wq_ptr + offs_n[None, :] * stride_wn + k[:, None], mask=n_ok[None, :] & k_ok[:, None],
+                        other=0)
+    return a, b
+
+
+@triton.jit
+def _int_dot(a, b, INTERP: tl.constexpr):
+    """Exact fp32 value of the int8 dot a @ b (|a.b| <= 128 * 127 * 127 < 2^22)."""
+    if INTERP:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    # int32 -> fp32 exactly without the slow I2F conversion: adding the bits of 2^23 + 2^22 and subtracting
+    # that float is exact (as SageAttention does)
+    ip = tl.dot(a, b, out_dtype=tl.int32)
+    return (ip + 0x4B400000).to(tl.float32, bitcast=True) - 12582912.0
+
+
+@triton.jit
+def _kb_scale(sx_ptr, sw_ptr, kb, pid_m, pid_n, offs_m, offs_n, m_ok, n_ok, stride_sxm, stride_swn,
+              SW_GROUP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
+    """sx * sw of K block kb for the tile: a scalar, a row or column vector, or the full outer product, whichever the
+    tile's position in the 128-row activation blocks and SW_GROUP-row weight groups allows."""
+    if 128 % BM == 0:
+        sx = tl.load(sx_ptr + ((pid_m * BM) // 128) * stride_sxm + kb)
+    else:
+        sx = tl.load(sx_ptr + (offs_m // 128) * stride_sxm + kb, mask=m_ok, other=0.0)[:, None]
+    if SW_GROUP % BN == 0:
+        sw = tl.load(sw_ptr + ((pid_n * BN) // SW_GROUP) * stride_swn + kb)
+    else:
+        sw = tl.load(sw_ptr + (offs_n // SW_GROUP) * stride_swn + kb, mask=n_ok, other=0.0)[None, :]
+    return sx * sw
+
+
+@triton.jit
 def _w8a8_kernel(xq_ptr, sx_ptr, wq_ptr, sw_ptr, out_ptr, M, N, K, KB, stride_xm, stride_wn, stride_om,
                  stride_sxm, stride_swn, SW_GROUP: tl.constexpr, M_BUCKET, INTERP: tl.constexpr, EVEN_K: tl.constexpr,
-                 BM: tl.constexpr, BN: tl.constexpr, GROUP_M: tl.constexpr):
+                 BM: tl.constexpr, BN: tl.constexpr, GROUP_M: tl.constexpr, PIPE: tl.constexpr = False,
+                 TMA: tl.constexpr = False, WS: tl.constexpr = False):
+    """PIPE: the int32 product of K block kb+1 is issued before block kb's fp32 rescale (software pipelining);
+    TMA: xq_ptr / wq_ptr are tensor descriptors (blocks [BM, 128] / [BN, 128]) read by bulk copies; WS: Triton's
+    warp specialisation of the K loop (producer / consumer warps; with TMA, not with PIPE)."""
     pid = tl.program_id(0)
     num_m = tl.cdiv(M, BM)
     num_n = tl.cdiv(N, BN)
@@ -75,33 +127,25 @@ def _w8a8_kernel(xq_ptr, sx_ptr, wq_ptr, sw_ptr, out_ptr, M, N, K, KB, stride_xm
     m_ok = offs_m < M
     n_ok = offs_n < N
     acc = tl.zeros((BM, BN), dtype=tl.float32)
-    for kb in range(0, KB):
-        k = kb * 128 + offs_k
-        if EVEN_K:
-            a = tl.load(xq_ptr + offs_m[:, None] * stride_xm + k[None, :], mask=m_ok[:, None], other=0)
-            b = tl.load(wq_ptr + offs_n[None, :] * stride_wn + k[:, None], mask=n_ok[None, :], other=0)
-        else:
-            k_ok = k < K
-            a = tl.load(xq_ptr + offs_m[:, None] * stride_xm + k[None, :], mask=m_ok[:, None] & k_ok[None, :],
-                        other=0)
-            b = tl.load(wq_ptr + offs_n[None, :] * stride_wn + k[:, None], mask=n_ok[None, :] & k_ok[:, None],
-                        other=0)
-        if INTERP:
-            part = tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
-        else:
-            # int32 -> fp32 exactly without the slow I2F conversion: |a.b| <= 128 * 127 * 127 < 2^22, so
-            # adding the bits of 2^23 + 2^22 and subtracting that float is exact (as SageAttention does)
-            ip = tl.dot(a, b, out_dtype=tl.int32)
-            part = (ip + 0x4B400000).to(tl.float32, bitcast=True) - 12582912.0
-        if (128 % BM == 0) and (SW_GROUP % BN == 0):
-            # the tile lies in one activation row block and one weight row group: one scale for the whole tile
-            sxs = tl.load(sx_ptr + ((pid_m * BM) // 128) * stride_sxm + kb)
-            sws = tl.load(sw_ptr + ((pid_n * BN) // SW_GROUP) * stride_swn + kb)
-            acc += part * (sxs * sws)
-        else:
-            sxv = tl.load(sx_ptr + (offs_m // 128) * stride_sxm + kb, mask=m_ok, other=0.0)
-            swv = tl.load(sw_ptr + (offs_n // SW_GROUP) * stride_swn + kb, mask=n_ok, other=0.0)
-            acc += (part * sxv[:, None]) * swv[None, :]
+    if PIPE:
+        a, b = _tiles(xq_ptr, wq_ptr, 0, pid_m, pid_n, offs_m, offs_n, offs_k, m_ok, n_ok, K, stride_xm, stride_wn,
+                      EVEN_K, TMA, BM, BN)
+        part = _int_dot(a, b, INTERP)
+        for kb in range(1, KB):
+            a, b = _tiles(xq_ptr, wq_ptr, kb, pid_m, pid_n, offs_m, offs_n, offs_k, m_ok, n_ok, K, stride_xm,
+                          stride_wn, EVEN_K, TMA, BM, BN)
+            nxt = _int_dot(a, b, INTERP)
+            acc += part * _kb_scale(sx_ptr, sw_ptr, kb - 1, pid_m, pid_n, offs_m, offs_n, m_ok, n_ok, stride_sxm,
+                                    stride_swn, SW_GROUP, BM, BN)
+            part = nxt
+        acc += part * _kb_scale(sx_ptr, sw_ptr, KB - 1, pid_m, pid_n, offs_m, offs_n, m_ok, n_ok, stride_sxm,
+                                stride_swn, SW_GROUP, BM, BN)
+    else:
+        for kb in tl.range(0, KB, warp_specialize=WS):
+            a, b = _tiles(xq_ptr, wq_ptr, kb, pid_m, pid_n, offs_m, offs_n, offs_k, m_ok, n_ok, K, stride_xm,
+                          stride_wn, EVEN_K, TMA, BM, BN)
+            acc += _int_dot(a, b, INTERP) * _kb_scale(sx_ptr, sw_ptr, kb, pid_m, pid_n, offs_m, offs_n, m_ok, n_ok,
+                                                      stride_sxm, stride_swn, SW_GROUP, BM, BN)
     if INTERP:
         if out_ptr.dtype.element_ty == tl.bfloat16:
             acc = rne_bf16(acc)
@@ -149,6 +193,18 @@ def gemm(x2d: torch.Tensor, w: Int8Weight, out_dtype: torch.dtype | None = None)
     return gemm_quantized(xq, sx, w, out_dtype or x2d.dtype)
 
 
+def _tma_args(args: tuple, xq: torch.Tensor, w: Int8Weight, m: int, n: int, k: int, bm: int, bn: int) -> tuple:
+    """``args`` with the activation and weight pointers replaced by tensor descriptors of [bm, 128] / [bn, 128]
+    blocks (rows / K beyond the tensor read as zeros). Needs 16-byte aligned row strides (K % 16 == 0)."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    if (xq.stride(0) % 16) or (w.qdata.stride(0) % 16):
+        raise ValueError(f"int8 gemm: TMA needs 16-byte aligned rows, got strides {xq.stride(0)} / {w.qdata.stride(0)}")
+    xd = TensorDescriptor(xq, [m, k], [xq.stride(0), 1], [bm, 128])
+    wd = TensorDescriptor(w.qdata, [n, k], [w.qdata.stride(0), 1], [bn, 128])
+    return (xd, args[1], wd) + tuple(args[3:])
+
+
 def gemm_quantized(xq: torch.Tensor, sx: torch.Tensor, w: Int8Weight, out_dtype: torch.dtype) -> torch.Tensor:
     """The GEMM of :func:`gemm` on activations already quantized by :func:`quantize_blocks` (benchmarks)."""
     m, k = xq.shape
@@ -164,7 +220,12 @@ def gemm_quantized(xq: torch.Tensor, sx: torch.Tensor, w: Int8Weight, out_dtype:
     if FORCED["config"] is not None:
         c = dict(FORCED["config"])
         nw, ns = c.pop("num_warps", 4), c.pop("num_stages", 1)
-        _w8a8_kernel[(triton.cdiv(m, c["BM"]) * triton.cdiv(n, c["BN"]),)](*args, **c, num_warps=nw, num_stages=ns)
+        launch = {"maxnreg": c.pop("maxnreg")} if c.get("maxnreg") else {}
+        c.pop("maxnreg", None)
+        if c.get("TMA"):
+            args = _tma_args(args, xq, w, m, n, k, c["BM"], c["BN"])
+        _w8a8_kernel[(triton.cdiv(m, c["BM"]) * triton.cdiv(n, c["BN"]),)](*args, **c, num_warps=nw, num_stages=ns,
+                                                                          **launch)
     else:
         key = (_bucket(m), n, k, w.row_group)
         if _TUNED.add_new(key):

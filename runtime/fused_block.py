@@ -5,13 +5,13 @@ i)](args, {"original_block": ...})`` when that entry exists (``comfy/ldm/minimax
 with ``args`` = {img, t_emb, mod_segments, rope_freqs, transformer_options}. :func:`apply` puts
 :class:`FusedBlockPatch` there on a clone of the MODEL. For a call it serves, the patch computes the block from the
 block's own modules (its AdaLN projection, norm weights, the pack's NVFP4 layers on the ``fp8`` path, core's
-comfy-kitchen RMSNorm+RoPE, core's ``optimized_attention`` with the MODEL's attention override) with the fused
-producers of :mod:`h3_turbo.kernels.fused`::
+``optimized_attention`` with the MODEL's attention override) with the fused producers of
+:mod:`h3_turbo.kernels.fused` (core's comfy-kitchen q/k RMSNorm + RoPE arithmetic and its copy of v in one launch)::
 
     mods = block.adaln_proj(t_emb)                                  # 6 x [R, hidden]
     x8, sx = norm_mod(x, norm1, shift_msa, scale_msa)               # one pass: e4m3 + row scales
     qkv = fp8_gemm(x8, sx, W_qkv)                                   # torch._scaled_mm rowwise
-    ck.rms_rope_split_half_(q, k, ...); attention(q, k, v.clone())  # as core's Attention
+    v = qk_norm_rope(qkv, ...); attention(q, k, v)                 # core's rms_rope_split_half_ + v.clone()
     y = fp8_gemm(quant_rows(attn_out), W_out)
     x8, sx = norm_mod(x, norm2, shift_mlp, scale_mlp, residual=(y, gate_msa))   # x += y * gate, in place
     a8, sa = swiglu(fp8_gemm(x8, sx, W_fc1))                         # [gate; up] -> e4m3
@@ -229,6 +229,12 @@ class FusedBlockPatch:
             return "training / grad"
         if args.get("rope_freqs") is None:
             return "no rope table (core's non-rope attention branch)"
+        at = block.attn
+        why = fk.rope_table_problem(x.new_empty((x.shape[0], 0)), int(at.heads), int(at.head_dim), args["rope_freqs"])
+        if why is not None:
+            return why
+        if getattr(at.q_norm, "weight", None) is None or getattr(at.k_norm, "weight", None) is None:
+            return "q_norm / k_norm without a weight"
         for name in ("attn", "mlp"):
             if "forward" in getattr(block, name).__dict__:
                 return f"block.{name}'s forward is wrapped"
@@ -323,7 +329,6 @@ def fused_forward(block, x, t_emb, mod_segments, rope_freqs, transformer_options
     """The fused block's forward (module docstring); x [S, hidden] is updated in place and returned."""
     import comfy.model_management as mm
     import comfy.ops
-    import comfy.quant_ops
     from comfy.ldm.modules.attention import AttentionTensorContainer, optimized_attention
 
     routes = {} if routes is None else routes
@@ -341,16 +346,14 @@ def fused_forward(block, x, t_emb, mod_segments, rope_freqs, transformer_options
                    lambda: ops.norm_mod(x, w1, e1, shift_msa, scale_msa, rows, out="bf16"), x, ops, routes)
     heads, dh = int(at.heads), int(at.head_dim)
     inner = heads * dh
-    q, k, v = qkv.split(inner, dim=-1)
-    q = q.view(1, s, heads, dh)
-    k = k.view(1, s, heads, dh)
     qw = mm.cast_to(at.q_norm.weight, device=x.device)
     kw = mm.cast_to(at.k_norm.weight, device=x.device)
-    comfy.quant_ops.ck.rms_rope_split_half_(q, k, rope_freqs, qw, kw, epsilon=at.q_norm.eps,
-                                            rot_dim=rope_freqs.shape[-3] * 2)
-    v = v.view(s, heads, dh).clone()
-    qc = AttentionTensorContainer(q[0].transpose(0, 1).unsqueeze(0))
-    kc = AttentionTensorContainer(k[0].transpose(0, 1).unsqueeze(0))
+    # core's rms_rope_split_half_ on the q / k columns and v.clone(), in one launch
+    v = ops.qk_norm_rope(qkv, heads, dh, rope_freqs, qw, kw, _eps(at.q_norm, x))
+    q = qkv[:, :inner].view(s, heads, dh)
+    k = qkv[:, inner:2 * inner].view(s, heads, dh)
+    qc = AttentionTensorContainer(q.transpose(0, 1).unsqueeze(0))
+    kc = AttentionTensorContainer(k.transpose(0, 1).unsqueeze(0))
     vc = AttentionTensorContainer(v.transpose(0, 1).unsqueeze(0))
     del q, k, v
     out = optimized_attention(qc, kc, vc, heads, mask=None, skip_reshape=True,

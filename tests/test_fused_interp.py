@@ -7,6 +7,9 @@ ragged shapes. Bounds (METHOD.md: relative L2 of the dequantized output vs float
   vs float64 < 0.035 (e4m3 keeps 3 mantissa bits: <= 2^-4 relative per element, ~2.6% in L2 on Gaussian rows).
 - bf16 output of norm_mod: the float64 result rounded to bf16 except at ties (<= 0.2% of elements, one bf16 ulp).
 - the gated residual (gate_residual_, norm_mod's residual): bit-identical to core's per-segment addcmul_.
+- qk_norm_rope: q / k bit-identical to the float64 reference rounded once (bf16), <= 0.1% of elements by <= 2 ulps
+  (fp16, a norm on a float64 vs fp32 rounding boundary); v copied bit for bit; within 0.4% relative L2 of comfy-kitchen's own
+  eager rms_rope_split_half (which rotates in the table's dtype) and bit-identical to it with an fp32 table (bf16).
 
 Run through tests/test_fused.py::test_fused_kernels_interpreted_on_cpu (fresh process with TRITON_INTERPRET=1).
 """
@@ -110,11 +113,12 @@ def test_norm_mod_bf16_output_is_the_rounded_float64(m, k, segs):
 def test_swiglu_fp8_matches_float64(m, f, one_pass):
     g = torch.Generator().manual_seed(m + f)
     h = (torch.randn(m, 2 * f, generator=g) * 3.0).to(torch.bfloat16)
+    before = fk.SETTINGS["swiglu_one_pass"]
     fk.SETTINGS["swiglu_one_pass"] = one_pass
     try:
         y8, sy = fk.swiglu(h)
     finally:
-        fk.SETTINGS["swiglu_one_pass"] = False
+        fk.SETTINGS["swiglu_one_pass"] = before
     assert y8.shape == (m, f) and sy.shape == (m, 1)
     a64 = fk.swiglu_ref(h)
     # [gate; up] order: silu of the FIRST half (swapping the halves gives another function)
@@ -193,3 +197,63 @@ def test_fp8_weight_slot_with_turbo_fold_feeds_the_prequantized_gemm():
     assert float((y.double() - want).norm() / want.norm()) < 0.05
     w8b, swb = _fp8_weight(p, "cpu")
     assert torch.equal(w8b.view(torch.uint8), w8_0.view(torch.uint8)) and torch.equal(swb, sw_0)
+
+
+def _rope_inputs(s, heads, d, r2, dtype, table_dtype, seed=0, row_pad=0):
+    g = torch.Generator().manual_seed(seed)
+    big = (torch.randn(s, 3 * heads * d + row_pad, generator=g) * 3.0).to(dtype)
+    qkv = big[:, :3 * heads * d]                       # the GEMM output may be a column view (padded N)
+    ang = torch.randn(s, r2, generator=g) * 4.0
+    c, sn = torch.cos(ang), torch.sin(ang)
+    table = torch.stack([c, -sn, sn, c], dim=-1).reshape(1, s, 1, r2, 2, 2).to(table_dtype)   # core's layout
+    qw = (1 + 0.2 * torch.randn(d, generator=g)).to(dtype)
+    kw = (1 + 0.2 * torch.randn(d, generator=g)).to(dtype)
+    return qkv, table, qw, kw
+
+
+@pytest.mark.parametrize("s,heads,d,r2,row_pad", [(37, 3, 128, 48, 0), (5, 2, 64, 32, 24), (1, 1, 128, 64, 0),
+                                                  (19, 2, 64, 5, 0)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_qk_norm_rope_matches_float64_and_copies_v(s, heads, d, r2, row_pad, dtype):
+    qkv, table, qw, kw = _rope_inputs(s, heads, d, r2, dtype, torch.bfloat16, seed=s + d, row_pad=row_pad)
+    before = qkv.clone()
+    want = fk.qk_norm_rope_ref(before, heads, d, table, qw, kw, 1e-6)
+    v = fk.qk_norm_rope(qkv, heads, d, table, qw, kw, 1e-6)
+    inner = heads * d
+    assert v.shape == (s, heads, d) and v.is_contiguous()
+    assert torch.equal(v, before[:, 2 * inner:].reshape(s, heads, d))
+    assert torch.equal(qkv[:, 2 * inner:], before[:, 2 * inner:])            # v columns untouched
+    got, ref64 = qkv[:, :2 * inner], want[:, :2 * inner]
+    diff = (got.view(torch.int16).int() - ref64.view(torch.int16).int()).abs()
+    # fp16: a norm value on a float64-vs-fp32 rounding boundary moves by one ulp, its rotation by <= 2
+    assert int(diff.max()) <= (0 if dtype == torch.bfloat16 else 2)
+    assert float((diff > 0).float().mean()) <= 1e-3
+    assert not torch.equal(got, before[:, :2 * inner])                      # it did normalise and rotate
+
+
+def test_qk_norm_rope_is_comfy_kitchens_arithmetic():
+    """The op core calls (comfy-kitchen's rms_rope_split_half_, its eager backend = the documented math)."""
+    er = pytest.importorskip("comfy_kitchen.backends.eager.rope")
+    s, heads, d, r2 = 29, 2, 128, 48
+    for table_dtype, bound in ((torch.float32, 0.0), (torch.bfloat16, 4e-3)):
+        qkv, table, qw, kw = _rope_inputs(s, heads, d, r2, torch.bfloat16, table_dtype, seed=3)
+        inner = heads * d
+        q = qkv[:, :inner].reshape(1, s, heads, d).clone()
+        k = qkv[:, inner:2 * inner].reshape(1, s, heads, d).clone()
+        qo, ko = er.rms_rope_split_half(q, k, table, qw, kw, 1e-6, rot_dim=2 * r2)
+        ck = torch.cat([qo.reshape(s, -1), ko.reshape(s, -1)], 1).double()
+        fk.qk_norm_rope(qkv, heads, d, table, qw, kw, 1e-6)
+        rel = float((qkv[:, :2 * inner].double() - ck).norm() / ck.norm())
+        assert rel <= bound, (table_dtype, rel)
+
+
+def test_qk_norm_rope_refuses_bad_inputs():
+    qkv, table, qw, kw = _rope_inputs(8, 2, 64, 16, torch.bfloat16, torch.bfloat16)
+    with pytest.raises(ValueError, match="rope table shape"):
+        fk.qk_norm_rope(qkv, 2, 64, table[:, :4], qw, kw, 1e-6)
+    with pytest.raises(ValueError, match="rotates 160 dims"):
+        fk.qk_norm_rope(qkv, 2, 64, torch.zeros(1, 8, 1, 80, 2, 2), qw, kw, 1e-6)
+    with pytest.raises(ValueError, match="columns"):
+        fk.qk_norm_rope(qkv[:, :-1], 2, 64, table, qw, kw, 1e-6)
+    with pytest.raises(ValueError, match="k_weight"):
+        fk.qk_norm_rope(qkv, 2, 64, table, qw, kw[:32], 1e-6)

@@ -56,7 +56,7 @@ SETTINGS = {
     "swiglu_block": 2048,    # chunk of the two-pass SwiGLU (re-reads the row from L2 for the quantization)
     "swiglu_one_pass": True,   # the whole row in registers (BLOCK = next_pow2(F)), one read (H200: 0.35 vs 0.58 ms)
     "swiglu_warps": 8,
-    "rope_rows": 32,         # rows of one head per qk_norm_rope program
+    "rope_rows": 16,         # rows per qk_norm_rope program (it loops over the heads)
     "rope_warps": 4,
     "gate_block": 2048,
     "gate_warps": 4,
@@ -216,49 +216,44 @@ if triton is not None:
         tl.store(x_ptr + row * stride_x + offs, _round(x + o * g, x_ptr.dtype.element_ty, INTERP), mask=m)
 
     @triton.jit
-    def _qk_rope_kernel(x_ptr, v_ptr, w_ptr, f_ptr, S, H, eps, stride_x, stride_fs, stride_fi, stride_fr,
-                        stride_fc, D: tl.constexpr, R2: tl.constexpr, P2: tl.constexpr, PT: tl.constexpr,
-                        BS: tl.constexpr, INTERP: tl.constexpr):
-        """Rows [BS * pid0, +BS) of head column j = pid1: j < 2H: RMSNorm (weights w_ptr [2, D]: q's, k's) + rotation
-        of q (j < H) / k head in place
-        (columns j*D .. j*D+D); j >= 2H: copy of v head j-2H into v_ptr [S, H, D]. R2 = rot_dim / 2 pairs (P2 its
-        next power of two), PT = next power of two of D - 2*R2 (the pass-through dims)."""
-        j = tl.program_id(1)
+    def _qk_rope_kernel(x_ptr, v_ptr, w_ptr, f_ptr, S, H, eps, stride_x, stride_fs, stride_fi, stride_fr, stride_fc,
+                        D: tl.constexpr, R2: tl.constexpr, BS: tl.constexpr, INTERP: tl.constexpr):
+        """Rows [BS * pid0, +BS); pid1 = 0 / 1: every q / k head normed (weights w_ptr [2, D]: q's, k's) and rotated in
+        place; pid1 = 2: every v head copied to v_ptr [S, H, D]. Column c of a head is combined with its partner
+        p(c) = c + R2 (c < R2), c - R2 (R2 <= c < 2 R2), c (pass-through): out_c = A_c n_c + B_c n_p(c) with
+        (A, B) = (f00, f01), (f11, f10), (1, 0); the table's A / B rows are read once for all H heads."""
+        part = tl.program_id(1)
         rows = tl.program_id(0) * BS + tl.arange(0, BS)
         rm = rows < S
         r64 = rows.to(tl.int64)
-        base = x_ptr + r64[:, None] * stride_x + j * D
+        cols = tl.arange(0, D)
         dt = x_ptr.dtype.element_ty
-        if j >= 2 * H:
-            cols = tl.arange(0, D)
-            t = tl.load(base + cols[None, :], mask=rm[:, None], other=0.0)
-            tl.store(v_ptr + r64[:, None] * (H * D) + (j - 2 * H) * D + cols[None, :], t, mask=rm[:, None])
+        row_base = x_ptr + r64[:, None] * stride_x
+        if part == 2:
+            for h in range(0, H):
+                t = tl.load(row_base + (2 * H + h) * D + cols[None, :], mask=rm[:, None], other=0.0)
+                tl.store(v_ptr + r64[:, None] * (H * D) + h * D + cols[None, :], t, mask=rm[:, None])
         else:
-            ia = tl.arange(0, P2)
-            ma = ia < R2
-            ip = 2 * R2 + tl.arange(0, PT)
-            mp = ip < D
-            xa = tl.load(base + ia[None, :], mask=rm[:, None] & ma[None, :], other=0.0).to(tl.float32)
-            xb = tl.load(base + R2 + ia[None, :], mask=rm[:, None] & ma[None, :], other=0.0).to(tl.float32)
-            xp = tl.load(base + ip[None, :], mask=rm[:, None] & mp[None, :], other=0.0).to(tl.float32)
-            ss = tl.sum(xa * xa, axis=1) + tl.sum(xb * xb, axis=1) + tl.sum(xp * xp, axis=1)
-            inv = 1.0 / tl.sqrt(ss / D + eps)
-            w_ptr = w_ptr + (j // H) * D             # [q_norm weight; k_norm weight]
-            wa = tl.load(w_ptr + ia, mask=ma, other=0.0).to(tl.float32)
-            wb = tl.load(w_ptr + R2 + ia, mask=ma, other=0.0).to(tl.float32)
-            wp = tl.load(w_ptr + ip, mask=mp, other=0.0).to(tl.float32)
-            na = _round(xa * inv[:, None] * wa[None, :], dt, INTERP).to(tl.float32)
-            nb = _round(xb * inv[:, None] * wb[None, :], dt, INTERP).to(tl.float32)
-            fb = f_ptr + r64[:, None] * stride_fs + ia[None, :] * stride_fi
-            fm = rm[:, None] & ma[None, :]
-            f00 = tl.load(fb, mask=fm, other=0.0).to(tl.float32)
-            f01 = tl.load(fb + stride_fc, mask=fm, other=0.0).to(tl.float32)
-            f10 = tl.load(fb + stride_fr, mask=fm, other=0.0).to(tl.float32)
-            f11 = tl.load(fb + stride_fr + stride_fc, mask=fm, other=0.0).to(tl.float32)
-            tl.store(base + ia[None, :], _round(f00 * na + f01 * nb, dt, INTERP), mask=fm)
-            tl.store(base + R2 + ia[None, :], _round(f10 * na + f11 * nb, dt, INTERP), mask=fm)
-            tl.store(base + ip[None, :], _round(xp * inv[:, None] * wp[None, :], dt, INTERP),
-                     mask=rm[:, None] & mp[None, :])
+            lo = cols < R2
+            rot = cols < 2 * R2
+            pc = tl.where(lo, cols + R2, tl.where(rot, cols - R2, cols))
+            pair = tl.where(lo, cols, cols - R2)
+            a_off = tl.where(lo, 0, stride_fr + stride_fc)
+            b_off = tl.where(lo, stride_fc, stride_fr)
+            fb = f_ptr + r64[:, None] * stride_fs + pair[None, :] * stride_fi
+            fm = rm[:, None] & rot[None, :]
+            ca = tl.load(fb + a_off[None, :], mask=fm, other=1.0).to(tl.float32)
+            cb = tl.load(fb + b_off[None, :], mask=fm, other=0.0).to(tl.float32)
+            w = tl.load(w_ptr + part * D + cols).to(tl.float32)
+            wp = tl.load(w_ptr + part * D + pc).to(tl.float32)
+            for h in range(0, H):
+                base = row_base + (part * H + h) * D
+                x = tl.load(base + cols[None, :], mask=rm[:, None], other=0.0).to(tl.float32)
+                xp = tl.load(base + pc[None, :], mask=rm[:, None], other=0.0).to(tl.float32)
+                inv = 1.0 / tl.sqrt(tl.sum(x * x, axis=1) / D + eps)
+                n = _round(x * inv[:, None] * w[None, :], dt, INTERP).to(tl.float32)
+                npart = _round(xp * inv[:, None] * wp[None, :], dt, INTERP).to(tl.float32)
+                tl.store(base + cols[None, :], _round(ca * n + cb * npart, dt, INTERP), mask=rm[:, None])
 
 
 def _need_triton(where: str, *ts: torch.Tensor) -> None:
@@ -426,10 +421,9 @@ def qk_norm_rope(qkv: torch.Tensor, heads: int, head_dim: int, freqs: torch.Tens
     v = torch.empty((s, heads, head_dim), device=qkv.device, dtype=qkv.dtype)
     if s:
         bs = 16 if INTERPRET else int(SETTINGS["rope_rows"])
-        _qk_rope_kernel[(triton.cdiv(s, bs), 3 * heads)](
+        _qk_rope_kernel[(triton.cdiv(s, bs), 3)](
             qkv, v, torch.cat((q_weight.reshape(-1), k_weight.reshape(-1))), freqs, s, heads, float(eps), qkv.stride(0),
-            freqs.stride(1), freqs.stride(3), freqs.stride(4), freqs.stride(5), D=head_dim, R2=r2,
-            P2=triton.next_power_of_2(r2), PT=max(1, triton.next_power_of_2(max(head_dim - 2 * r2, 1))), BS=bs,
+            freqs.stride(1), freqs.stride(3), freqs.stride(4), freqs.stride(5), D=head_dim, R2=r2, BS=bs,
             INTERP=INTERPRET, num_warps=4 if INTERPRET else SETTINGS["rope_warps"])
     return v
 

@@ -7,8 +7,8 @@ ragged shapes. Bounds (METHOD.md: relative L2 of the dequantized output vs float
   vs float64 < 0.035 (e4m3 keeps 3 mantissa bits: <= 2^-4 relative per element, ~2.6% in L2 on Gaussian rows).
 - bf16 output of norm_mod: the float64 result rounded to bf16 except at ties (<= 0.2% of elements, one bf16 ulp).
 - the gated residual (gate_residual_, norm_mod's residual): bit-identical to core's per-segment addcmul_.
-- qk_norm_rope: q / k bit-identical to the float64 reference rounded once (bf16), <= 0.1% of elements by <= 2 ulps
-  (fp16, a norm on a float64 vs fp32 rounding boundary); v copied bit for bit; within 0.4% relative L2 of comfy-kitchen's own
+- qk_norm_rope: q / k bit-identical to the float64 reference rounded once (bf16); fp16: <= 0.1% of elements differ,
+  each by <= 2^-10 of its row's largest value (a norm on a float64 vs fp32 rounding boundary); v copied bit for bit; within 0.4% relative L2 of comfy-kitchen's own
   eager rms_rope_split_half (which rotates in the table's dtype) and bit-identical to it with an fp32 table (bf16).
 
 Run through tests/test_fused.py::test_fused_kernels_interpreted_on_cpu (fresh process with TRITON_INTERPRET=1).
@@ -224,10 +224,14 @@ def test_qk_norm_rope_matches_float64_and_copies_v(s, heads, d, r2, row_pad, dty
     assert torch.equal(v, before[:, 2 * inner:].reshape(s, heads, d))
     assert torch.equal(qkv[:, 2 * inner:], before[:, 2 * inner:])            # v columns untouched
     got, ref64 = qkv[:, :2 * inner], want[:, :2 * inner]
-    diff = (got.view(torch.int16).int() - ref64.view(torch.int16).int()).abs()
-    # fp16: a norm value on a float64-vs-fp32 rounding boundary moves by one ulp, its rotation by <= 2
-    assert int(diff.max()) <= (0 if dtype == torch.bfloat16 else 2)
-    assert float((diff > 0).float().mean()) <= 1e-3
+    if dtype == torch.bfloat16:
+        assert torch.equal(got, ref64)
+    else:
+        # fp16: a norm value on a float64-vs-fp32 rounding boundary moves by one fp16 ulp; its rotation (a sum that
+        # may cancel) by at most that ulp of the row's largest value
+        err = (got.double() - ref64.double()).abs()
+        assert float((err > 0).double().mean()) <= 1e-3
+        assert bool((err <= 2.0 ** -10 * ref64.double().abs().amax(dim=1, keepdim=True)).all())
     assert not torch.equal(got, before[:, :2 * inner])                      # it did normalise and rotate
 
 

@@ -565,7 +565,10 @@ def run_family(family, path, lname, inputs, sd_gpu, dev):
     fr = RES.setdefault("families", {}).setdefault(family, {})
     names = [f"{family}{s}" for s in ("", "_turbo4")] if family.startswith("core") else \
         [f"{family}_{a}{s}" for a in ATTN for s in ("_turbo4", "")]
+    if FUSED and family == "ours_fp8":
+        names += [n.replace(f"_{a}", f"_{a}_fused", 1) for n in list(names) for a in ATTN if f"_{a}" in n]
     if CONFIGS and not any(c.split("@")[0] in names for c in CONFIGS):
+        mark(f"skip family {family}: none of its configurations {names} is in CONFIGS")
         return
     if now() + 25 + est_for(family, inputs[0]) > DEADLINE:
         fr["skipped"] = "deadline"

@@ -56,7 +56,7 @@ SETTINGS = {
     "swiglu_block": 2048,    # chunk of the two-pass SwiGLU (re-reads the row from L2 for the quantization)
     "swiglu_one_pass": True,   # the whole row in registers (BLOCK = next_pow2(F)), one read (H200: 0.35 vs 0.58 ms)
     "swiglu_warps": 8,
-    "rope_rows": 16,         # rows per qk_norm_rope program (it loops over the heads)
+    "rope_rows": 8,          # rows per qk_norm_rope program (it loops over the heads; H200: 8 < 16, 32)
     "rope_warps": 4,
     "gate_block": 2048,
     "gate_warps": 4,

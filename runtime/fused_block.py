@@ -55,7 +55,7 @@ _ATTN_ATTRS = ("qkv_proj", "q_norm", "k_norm", "out_proj", "heads", "head_dim")
 _MLP_ATTRS = ("fc1", "fc2")
 #: names core's forwards use (their code objects' co_names): the structure the fused block reproduces
 _BLOCK_NAMES = {"adaln_proj", "norm1", "norm2", "_mod_scale_shift", "_mod_gate", "attn", "mlp"}
-_ATTN_NAMES = {"qkv_proj", "rms_rope_split_half_", "optimized_attention", "out_proj", "clone"}
+_ATTN_NAMES = {"qkv_proj", "rms_rope_split_half_", "optimized_attention", "out_proj"}
 _MLP_NAMES = {"linear_input_act", "fc1", "fc2"}
 
 
@@ -325,11 +325,21 @@ def _project(m, plan, x8s, bf16_input: Callable[[], torch.Tensor], probe, ops, r
     return ops.gemm(x8, sx, w8, sw, m.out_features, probe.dtype)
 
 
+def _attention_wrapper(attn) -> Callable:
+    """How core's ``Attention.forward`` hands q / k / v to ``optimized_attention``: wrapped in
+    ``AttentionTensorContainer`` (ComfyUI versions whose forward names it, e.g. 0.33) or as plain tensors."""
+    if "AttentionTensorContainer" in _names(type(attn).forward):
+        from comfy.ldm.modules.attention import AttentionTensorContainer
+
+        return AttentionTensorContainer
+    return lambda t: t
+
+
 def fused_forward(block, x, t_emb, mod_segments, rope_freqs, transformer_options, plans, ops, routes=None):
     """The fused block's forward (module docstring); x [S, hidden] is updated in place and returned."""
     import comfy.model_management as mm
     import comfy.ops
-    from comfy.ldm.modules.attention import AttentionTensorContainer, optimized_attention
+    from comfy.ldm.modules.attention import optimized_attention
 
     routes = {} if routes is None else routes
     comfy.ops.run_every_op()
@@ -352,9 +362,10 @@ def fused_forward(block, x, t_emb, mod_segments, rope_freqs, transformer_options
     v = ops.qk_norm_rope(qkv, heads, dh, rope_freqs, qw, kw, _eps(at.q_norm, x))
     q = qkv[:, :inner].view(s, heads, dh)
     k = qkv[:, inner:2 * inner].view(s, heads, dh)
-    qc = AttentionTensorContainer(q.transpose(0, 1).unsqueeze(0))
-    kc = AttentionTensorContainer(k.transpose(0, 1).unsqueeze(0))
-    vc = AttentionTensorContainer(v.transpose(0, 1).unsqueeze(0))
+    wrap = _attention_wrapper(at)
+    qc = wrap(q.transpose(0, 1).unsqueeze(0))
+    kc = wrap(k.transpose(0, 1).unsqueeze(0))
+    vc = wrap(v.transpose(0, 1).unsqueeze(0))
     del q, k, v
     out = optimized_attention(qc, kc, vc, heads, mask=None, skip_reshape=True,
                               transformer_options=transformer_options).squeeze(0)

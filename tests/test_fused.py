@@ -373,3 +373,25 @@ def test_fused_blocks_node_through_the_real_graph_on_cpu(comfy, fixtures_dir, ca
     assert all(torch.equal(a, b) for a, b in zip(plain, off))
     with pytest.raises(PromptFailed):
         run("fp16", "h3t/fz3")
+
+
+def test_attention_wrapper_follows_cores_forward(comfy):
+    """ComfyUI 0.33's Attention.forward wraps q/k/v in AttentionTensorContainer; a core whose forward passes plain
+    tensors (and drops the v.clone()) gets plain tensors from the fused block, and its structure check still passes."""
+    from comfy.ldm.minimax import model as h3
+    from comfy.ldm.modules.attention import AttentionTensorContainer
+
+    from h3_turbo.runtime import fused_block as fb
+
+    assert fb._attention_wrapper(h3.Attention.__new__(h3.Attention)) is AttentionTensorContainer
+
+    class PlainAttention(h3.Attention):
+        def forward(self, x, rope_freqs=None, transformer_options={}):   # the names core's newer forward uses
+            s = x.shape[0]
+            q, k, v = self.qkv_proj(x).split(self.heads * self.head_dim, dim=-1)
+            comfy.quant_ops.ck.rms_rope_split_half_(q, k, rope_freqs, None, None)  # noqa: F821 - never run
+            return self.out_proj(optimized_attention(q, k, v, self.heads))          # noqa: F821
+
+    t = torch.ones(2, 3)
+    assert fb._attention_wrapper(PlainAttention.__new__(PlainAttention))(t) is t
+    assert not (fb._ATTN_NAMES - fb._names(PlainAttention.forward))

@@ -8,13 +8,11 @@ from comfy_api.latest import io
 
 from . import CATEGORY
 from ..formats.dmd import INDEX_SUFFIX
-from ..kernels import registry
-from ..kernels.paths.int8 import WEIGHT_FORMAT
-from ..runtime.dmd import ADALN_AUTO, ADALN_NONE, load_dmd_model
+from ..runtime.dmd import ADALN_AUTO, ADALN_NONE, compute_choices, load_dmd_model
 
 #: ComfyUI model folder for AdaLN tables (``models/h3turbo_adaln/``: the pack's table files, LightX2V folders)
 ADALN_FOLDER = "h3turbo_adaln"
-COMPUTE_CHOICES = registry.choices(WEIGHT_FORMAT)
+COMPUTE_CHOICES = compute_choices()
 _MAX_DEPTH = 3
 
 
@@ -96,14 +94,16 @@ class H3TurboDMDLoader(io.ComfyNode):
                         "release folder. Files are validated first. adaln: auto = the release's adaln/ table (needed by "
                         "W8A8), none = compute from the BF16 weights, or a table from models/h3turbo_adaln. compute: "
                         "int8 = W8A8 int8 GEMM (BF16 weights are quantized on load), reference = BF16 / dequantized "
-                        "W8A8. Sample with H3 Turbo Sigmas + H3 Turbo Sampler (the DMD contract is attached).",
+                        "W8A8, exact / fp8 = the BF16 weights' block projections quantized to NVFP4 on load (11 GB "
+                        "instead of 40) and run by the NVFP4 loader's kernels (fp8: the fastest on Hopper/Ada). Sample with H3 Turbo Sigmas + H3 Turbo Sampler (the DMD contract is attached).",
             inputs=[
                 io.Combo.Input("model_name", options=list(model_options())),
                 io.Combo.Input("adaln", options=adaln_options(), default=ADALN_AUTO, optional=True,
                                tooltip="auto: the release's adaln/ table (or the weights' own AdaLN); none: compute "
                                        "from the weights; or a table file."),
                 io.Combo.Input("compute", options=list(COMPUTE_CHOICES), default="auto", optional=True,
-                               tooltip="auto: int8 on CUDA GPUs (sm_80+ with Triton), else reference (BF16 weights when the folder has them)."),
+                               tooltip="auto: int8 on CUDA GPUs (sm_80+ with Triton), else reference (BF16 weights when the folder has "
+                                       "them). exact / fp8 / blackwell_fp4: BF16 weights quantized to NVFP4 on load."),
             ],
             outputs=[io.Model.Output()],
         )

@@ -2,18 +2,19 @@
 
 Order of work (a failed load builds nothing and touches no loaded model):
 1. resolve ``model_name`` (a file, a shard index or a release folder: :func:`h3_turbo.formats.dmd.find_release`),
-   the compute path (``kernels.registry.resolve`` for ``int8_block128`` weights) and which weights to load
-   (a folder with both: W8A8 for ``int8``, BF16 for ``reference``);
+   the compute path (``kernels.registry.resolve`` for ``int8_block128`` weights, or for ``nvfp4`` weights with
+   :data:`NVFP4_COMPUTE`) and which weights to load (a folder with both: W8A8 for ``int8``, BF16 otherwise);
 2. detect and validate the weights from their headers (:func:`~h3_turbo.formats.dmd.detect_dmd`), check the sizes
    ``manifest.json`` records, read the AdaLN table when one is used (:mod:`.adaln`) and check that it fits;
 3. stream the weights into core's names (:func:`~h3_turbo.formats.dmd.iter_core`; BF16 projections quantized to
-   W8A8 on load for ``compute=int8``), leaving out the AdaLN weights a table replaces; tensors of 1 MiB and more
+   W8A8 on load for ``compute=int8``, to ComfyUI-native NVFP4 for :data:`NVFP4_COMPUTE`), leaving out the AdaLN weights a table replaces; tensors of 1 MiB and more
    are placeholders while core builds the model and are then streamed into it one at a time (peak memory: the
    model plus one tensor);
 4. build core's H3 with core's loader (``comfy.sd.load_diffusion_model_state_dict``) and the operations core itself
    would pick for this state dict (``comfy.ops.pick_operations``), extended by :func:`make_dmd_operations` with
-   W8A8 layers; then install the table (:func:`.adaln.install`), set the compute path, attach the DMD contract
-   (``adapters/contracts.py``: 4 updates, 12/3, no CFG, re-noise).
+   W8A8 layers (NVFP4: the pack's own operations, :func:`h3_turbo.runtime.ops.make_operations`); then install the
+   table (:func:`.adaln.install`), set the compute path (NVFP4: ``install_compute`` as the NVFP4 loader does),
+   attach the DMD contract (``adapters/contracts.py``: 4 updates, 12/3, no CFG, re-noise).
 
 With BF16 weights, ``compute=reference`` and ``adaln=none`` the MODEL is the one core's ``UNETLoader`` builds from
 the same weights in core naming (tests/test_dmd_comfy.py checks the samples bit for bit).
@@ -38,6 +39,20 @@ from . import adaln as adaln_mod
 ADALN_AUTO, ADALN_NONE = "auto", "none"
 #: the TurboH3 export quantizes the 200 main-block projections (the card): the same for quantize-on-load
 QUANTIZED_PROJECTIONS = ("attn.qkv_proj", "attn.out_proj", "mlp.fc1", "mlp.fc2")
+#: compute values that quantize the BF16 weights' block projections to NVFP4 on load and run the NVFP4 loader's
+#: kernels (``exact``: dequantize-GEMM, ``fp8``: FP8 tensor cores, ``blackwell_fp4``): the pack's fast paths and
+#: 11 GB of projections instead of 40 GB, at NVFP4's rounding of the weights
+NVFP4_COMPUTE = tuple(n for n in registry.choices("nvfp4") if n not in ("auto", "reference"))
+
+
+def compute_choices() -> tuple[str, ...]:
+    """The loader's ``compute`` values: the W8A8 registry's (``auto``, ``int8``, ``reference``) + :data:`NVFP4_COMPUTE`."""
+    return tuple(registry.choices(int8_path.WEIGHT_FORMAT)) + NVFP4_COMPUTE
+
+
+def _is_projection(key: str) -> bool:
+    stem = key[: -len(".weight")] if key.endswith(".weight") else None
+    return bool(stem) and key.startswith("blocks.") and stem.split(".", 2)[2] in QUANTIZED_PROJECTIONS
 
 
 def make_dmd_operations(base, skip_prefixes: tuple[str, ...] = ()):
@@ -106,13 +121,27 @@ def int8_forward(m, x: torch.Tensor) -> torch.Tensor:
     return y.reshape(*x.shape[:-1], w.out_features)
 
 
-def _quantize_stream(items, quantize: bool, device):
+def _quantize_stream(items, quantize: bool, device, nvfp4: bool = False):
     """Pass ``iter_core`` through, turning the DiT blocks' float projection weights into W8A8 (the recipe of
-    ``kernels/int8_block.py``) when ``quantize``."""
+    ``kernels/int8_block.py``) when ``quantize``, or into ComfyUI-native NVFP4 layers (``weight`` packed E2M1,
+    ``weight_scale`` E4M3 block scales, ``weight_scale_2``, ``comfy_quant``: :func:`h3_turbo.formats.nvfp4.quantize`,
+    the NVFP4 loader's quantize-on-load) when ``nvfp4``."""
+    from ..formats import nvfp4 as fmt
+    from ..formats.schemes.base import marker_tensor
+
     for k, t in items:
-        stem = k[: -len(".weight")] if k.endswith(".weight") else None
-        if quantize and stem and k.startswith("blocks.") and stem.split(".", 2)[2] in QUANTIZED_PROJECTIONS \
-                and t.dtype in (torch.bfloat16, torch.float16, torch.float32):
+        if (quantize or nvfp4) and _is_projection(k) and t.dtype in (torch.bfloat16, torch.float16, torch.float32):
+            stem = k[: -len(".weight")]
+            if nvfp4:
+                try:
+                    q, bs, gs = fmt.quantize(t.to(device))
+                except ValueError as e:
+                    raise CheckpointError(k, f"cannot quantize to NVFP4: {e}") from None
+                yield k, q.cpu()
+                yield f"{stem}.weight_scale", bs.cpu()
+                yield f"{stem}.weight_scale_2", gs.cpu()
+                yield f"{stem}.comfy_quant", marker_tensor()
+                continue
             w = ib.quantize_weight(t.to(device))
             yield k, w.qdata.cpu()
             yield f"{stem}.{fdmd.INT8_SCALE}", w.scale.cpu()
@@ -195,7 +224,14 @@ def check_manifest_sizes(rel: fdmd.Release, files: list[str]) -> None:
                                            f"{rel.root}` checks SHA-256 too)")
 
 
-def _pick_weights(rel: fdmd.Release, cpath: str) -> str:
+def _pick_weights(rel: fdmd.Release, cpath: str, nvfp4: bool = False) -> str:
+    if nvfp4:
+        if not rel.bf16:
+            raise CheckpointError(rel.w8a8 or rel.root or "?", f"compute={cpath} quantizes the BF16 weights to NVFP4 "
+                                  "on load, and this release / file holds only the W8A8 int8 weights (re-quantizing "
+                                  "int8 to NVFP4 would round the weights twice)",
+                                  expected="compute=int8 or reference, or the BF16 shards (transformer/)")
+        return rel.bf16
     if rel.bf16 and rel.w8a8 and rel.root:
         pick = rel.w8a8 if cpath == "int8" else rel.bf16
         log_once(("dmd-weights", rel.root, cpath), "H3 Turbo DMD loader: %s has BF16 and W8A8 weights; compute=%s "
@@ -227,7 +263,8 @@ def _table(rel: fdmd.Release, adaln: str, det) -> adaln_mod.AdaLNTable | None:
 
 def load_dmd_model(path: str, adaln: str = ADALN_AUTO, compute: str = "auto", disable_dynamic: bool = False):
     """Validate and build the TurboH3 DMD MODEL from ``path`` (file, index or release folder). ``adaln``: ``auto``,
-    ``none`` or a table path; ``compute``: ``auto`` / ``int8`` / ``reference``. Raises CheckpointError (files, table)
+    ``none`` or a table path; ``compute``: :func:`compute_choices` (``auto`` / ``int8`` / ``reference``, or an NVFP4
+    path of :data:`NVFP4_COMPUTE` for BF16 weights). Raises CheckpointError (files, table)
     or NoCapablePathError (compute) before anything is built."""
     import comfy.model_management as mm
     import comfy.ops
@@ -237,16 +274,20 @@ def load_dmd_model(path: str, adaln: str = ADALN_AUTO, compute: str = "auto", di
 
     load_device = mm.get_torch_device()
     rel = fdmd.find_release(path)
+    nvfp4 = compute in NVFP4_COMPUTE
     try:
-        cpath, reason = registry.resolve(compute, load_device, int8_path.WEIGHT_FORMAT)
+        cpath, reason = registry.resolve(compute, load_device, "nvfp4" if nvfp4 else int8_path.WEIGHT_FORMAT)
     except Exception as e:
         raise type(e)(f"Load TurboH3 DMD Model: compute={compute}: {e}") from None
-    weights = _pick_weights(rel, cpath)
+    weights = _pick_weights(rel, cpath, nvfp4)
     det = fdmd.detect_dmd(weights)
     for f in det.findings:
         if f.level == "warning":
             log.warning("%s: %s", weights, f)
     det.raise_if_errors()
+    if nvfp4 and det.int8_layers:
+        raise CheckpointError(weights, f"compute={cpath} quantizes BF16 weights to NVFP4 on load; this file holds "
+                              f"{len(det.int8_layers)} W8A8 int8 layers", expected="the BF16 shards, or compute=int8")
     if compute == "auto" and cpath == "int8" and not det.int8_layers:
         cpath, reason = "reference", "auto keeps BF16 weights exact (compute=int8 quantizes them to W8A8 on load)"
         log_once(("dmd-auto-bf16", weights), "Load TurboH3 DMD Model: %s: compute=auto -> reference (%s)", weights, reason)
@@ -259,29 +300,40 @@ def load_dmd_model(path: str, adaln: str = ADALN_AUTO, compute: str = "auto", di
     if quantize:
         log.info("%s: BF16 weights, compute=int8: quantizing the %d DiT-block projections to W8A8 (TurboDiffusion's "
                  "128x128 recipe) while loading", weights, 4 * cfg.layers)
+    if nvfp4:
+        log.info("%s: BF16 weights, compute=%s: quantizing the %d DiT-block projections to NVFP4 while loading",
+                 weights, cpath, 4 * cfg.layers)
     qdev = load_device if torch.device(load_device).type == "cuda" else "cpu"
     # core builds the model from a state dict whose large tensors are placeholders (uninitialized, never touched:
-    # no memory), then they are streamed into the built model one at a time: peak = the model + one tensor
+    # no memory), then they are streamed into the built model one at a time: peak = the model + one tensor.
+    # NVFP4: the projections are quantized in the first pass instead (one BF16 tensor at a time; 0.56 bytes per
+    # weight are kept), so that core builds its NVFP4 layers from the real codes and scales.
     plan = _stream_plan(fdmd.core_plan(det, adaln=table is None), quantize)
-    big = {k for k, (dt, shp) in plan.items() if _nbytes(dt, shp) >= PLACEHOLDER_BYTES}
-    sd = dict(_quantize_stream(fdmd.iter_core(det, adaln=table is None, only=set(plan) - big), quantize, qdev))
+    big = {k for k, (dt, shp) in plan.items() if _nbytes(dt, shp) >= PLACEHOLDER_BYTES
+           and not (nvfp4 and _is_projection(k))}
+    sd = dict(_quantize_stream(fdmd.iter_core(det, adaln=table is None, only=set(plan) - big), quantize, qdev, nvfp4))
     for k in big:
         sd[k] = torch.empty(plan[k][1], dtype=_st_dtype(plan[k][0]))
     int8 = quantize or bool(det.int8_layers)
-    sup = comfy.supported_models.MiniMaxH3.supported_inference_dtypes
-    unet_dtype = mm.unet_dtype(model_params=comfy.utils.calculate_parameters(sd), supported_dtypes=sup,
-                               weight_dtype=comfy.utils.weight_dtype(sd))
-    manual = mm.unet_manual_cast(unet_dtype, load_device, sup)
-    base = comfy.ops.pick_operations(unet_dtype, manual, load_device=load_device)
     skip = ()
     if table is not None:
         skip = tuple(f"blocks.{i}.adaln_proj." for i in range(cfg.layers))
         if table.final is not None and not det.has_final_adaln:
             skip += ("final_layer.adaln_proj.",)
-    ops = make_dmd_operations(base, skip)
-    mp = comfy.sd.load_diffusion_model_state_dict(sd, model_options={"custom_operations": ops, "dtype": unet_dtype},
+    if nvfp4:
+        from .ops import make_operations
+
+        model_options = {"custom_operations": make_dmd_operations(make_operations(load_device), skip)}
+    else:
+        sup = comfy.supported_models.MiniMaxH3.supported_inference_dtypes
+        unet_dtype = mm.unet_dtype(model_params=comfy.utils.calculate_parameters(sd), supported_dtypes=sup,
+                                   weight_dtype=comfy.utils.weight_dtype(sd))
+        manual = mm.unet_manual_cast(unet_dtype, load_device, sup)
+        base = comfy.ops.pick_operations(unet_dtype, manual, load_device=load_device)
+        model_options = {"custom_operations": make_dmd_operations(base, skip), "dtype": unet_dtype}
+    mp = comfy.sd.load_diffusion_model_state_dict(sd, model_options=model_options,
                                                   metadata=fdmd.core_metadata(det),
-                                                  disable_dynamic=disable_dynamic or int8)
+                                                  disable_dynamic=disable_dynamic or int8 or nvfp4)
     if mp is None:
         raise CheckpointError(weights, "ComfyUI could not detect the model type of the converted state dict")
     dm = mp.model.diffusion_model
@@ -301,22 +353,49 @@ def load_dmd_model(path: str, adaln: str = ADALN_AUTO, compute: str = "auto", di
     if table is not None:
         adaln_mod.install(dm, table)
     mp.size = mm.module_size(mp.model)
+    nq = 0
+    if nvfp4:
+        nq = _install_nvfp4_compute(mp, cpath, load_device, cfg)
     mp.cached_patcher_init = (_reload, (path, adaln, compute))
     name = os.path.basename(path.rstrip("/"))
     contracts.attach(mp, contracts.TURBOH3_DMD, compute=cpath, compute_reason=reason, source_format=det.format,
                      checkpoint=name, adaln=(table.describe() if table is not None else "from the weights"),
                      dmd=True)
     state.record_loaded_model(weights, format=det.format, compute=cpath, bytes=int(mp.model_size()),
-                              layers_int8=n8, adaln=("table" if table is not None else "weights"))
+                              layers_int8=n8, layers_nvfp4=nq, adaln=("table" if table is not None else "weights"))
     if det.naming != "diffusers" and rel.manifest is None:
         log_once(("dmd-core-named", weights), "Load TurboH3 DMD Model: %s is a core-named H3 file with no release "
                  "manifest: nothing in it says it is the TurboH3 DMD model, and it is sampled as one (4 updates, "
                  "12/3, re-noise). If it is the base H3, load it with Load H3 NVFP4 Diffusion Model instead.",
                  weights, level=logging.WARNING)
     log_once(("dmd-loaded", weights, cpath, adaln), "Load TurboH3 DMD Model: %s (%s, %s naming, Q/K/V %s) with "
-             "compute=%s (%s), %d W8A8 layers, AdaLN %s", weights, det.format, det.naming, det.qkv, cpath, reason, n8,
+             "compute=%s (%s), %d W8A8 layers, %d NVFP4 layers, AdaLN %s", weights, det.format, det.naming, det.qkv,
+             cpath, reason, n8, nq,
              table.describe() if table is not None else "from the weights")
     return mp
+
+
+def _install_nvfp4_compute(mp, cpath: str, load_device, cfg) -> int:
+    """The NVFP4 loader's compute install on the quantized projections (``runtime.ops.install_compute``, weights
+    ``auto``: resident when they fit) and the size ComfyUI reserves; returns the number of NVFP4 layers."""
+    from ..kernels import dispatch
+    from .loading import resolve_weights
+    from .ops import install_compute
+
+    shapes = []
+    for name, mod in mp.model.diffusion_model.named_modules():
+        if name.startswith("blocks.") and name.split(".", 2)[-1] in QUANTIZED_PROJECTIONS:
+            shapes.append((int(mod.out_features), int(mod.in_features)))
+    wmode, wreason = resolve_weights("auto", cpath, load_device, int(mp.model_size()), shapes)
+    n = install_compute(mp, cpath, weights=wmode)
+    if n != len(shapes):
+        raise RuntimeError(f"Load TurboH3 DMD Model: compute={cpath} installed on {n} of the {len(shapes)} NVFP4 "
+                           "block projections (core did not build them as NVFP4 layers)")
+    extra = dispatch.prepared_bytes(shapes, cpath, lean=wmode == "lean")
+    mp.size = int(mp.model_size()) + extra + dispatch.workspace_bytes(shapes, cpath)
+    log_once(("dmd-nvfp4", cpath, wmode), "Load TurboH3 DMD Model: %d NVFP4 projections use compute=%s, weights=%s "
+             "(%s): +%.2f GiB prepared weights", n, cpath, wmode, wreason, extra / 2**30)
+    return n
 
 
 def _reload(path, adaln, compute, disable_dynamic=False):

@@ -101,6 +101,18 @@ def main(argv: list[str] | None = None) -> int:
         print(f"[h3-turbo demo] {e}", file=sys.stderr)
         return 2
     print(f"[h3-turbo demo] ComfyUI: {path}")
+    # the workflow is read before the fixtures and ComfyUI's boot: a wrong path fails at once
+    wf_path = Path(args.workflow)
+    try:
+        prompt = json.loads(wf_path.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        print(f"[h3-turbo demo] cannot read workflow {wf_path}: {e}", file=sys.stderr)
+        return 2
+    if not isinstance(prompt, dict):
+        print(f"[h3-turbo demo] {wf_path}: not an API-format workflow (expected a JSON object of node ids)",
+              file=sys.stderr)
+        return 2
+    print(f"[h3-turbo demo] workflow: {wf_path}")
 
     tmp = None
     if args.models is None:
@@ -125,13 +137,6 @@ def main(argv: list[str] | None = None) -> int:
     runner.set_output_dir(out)
     t = _stage("ComfyUI boot (built-in nodes + this pack)", t)
 
-    wf_path = Path(args.workflow)
-    try:
-        prompt = json.loads(wf_path.read_text())
-    except (OSError, json.JSONDecodeError) as e:
-        print(f"[h3-turbo demo] cannot read workflow {wf_path}: {e}", file=sys.stderr)
-        return 2
-    print(f"[h3-turbo demo] workflow: {wf_path}")
     try:
         _provide_first_frames(prompt)
     except RuntimeError as e:

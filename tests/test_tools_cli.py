@@ -250,6 +250,26 @@ def test_demo_help_says_what_models_does(capsys):
 
 
 @pytest.mark.comfyui
+def test_demo_refuses_an_unreadable_workflow_before_making_fixtures(comfy, tmp_path, capsys, monkeypatch):
+    """A missing or non-API workflow exits 2 naming it, before any fixture is written or ComfyUI is booted."""
+    from h3_turbo import demo
+    from h3_turbo.tools import fixtures
+
+    def no_fixtures(*a, **k):
+        raise AssertionError("fixtures were made before the workflow was read")
+
+    monkeypatch.setattr(fixtures, "make_fixtures", no_fixtures)
+    missing = tmp_path / "nope.json"
+    assert demo.main(["--workflow", str(missing), "--out", str(tmp_path / "o")]) == 2
+    assert f"cannot read workflow {missing}" in capsys.readouterr().err
+    lst = tmp_path / "list.json"
+    lst.write_text("[1, 2]")
+    assert demo.main(["--workflow", str(lst), "--out", str(tmp_path / "o")]) == 2
+    assert "not an API-format workflow" in capsys.readouterr().err
+    assert not (tmp_path / "o").exists()
+
+
+@pytest.mark.comfyui
 def test_failed_demo_workflow_reads_as_text(comfy):
     """A rejected workflow lists ComfyUI's errors per node (not raw dicts); a failed node is named with its error."""
     from h3_turbo import demo

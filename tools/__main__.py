@@ -14,13 +14,17 @@ def _cmd_make_fixtures(args: argparse.Namespace) -> int:
         print(f"error: {args.dir}: is an existing file, not a folder (expected a folder to write the models tree "
               "into, e.g. ./h3_fixtures)", file=sys.stderr)
         return 1
+    from .fixtures import FIXTURE_FILES
+
+    existed = {os.path.join(args.dir, d, f) for d, f in FIXTURE_FILES.values()
+               if os.path.exists(os.path.join(args.dir, d, f))}
     try:
         paths = make_fixtures(args.dir, seed=args.seed, nvfp4=not args.no_nvfp4)
     except OSError as e:   # e.g. a file where one of the tree's folders goes, or no permission
         print(f"error: {args.dir}: cannot write the fixtures: {e}", file=sys.stderr)
         return 1
     for name, p in paths.items():
-        print(f"{name}: {p}")
+        print(f"{name}: {p}" + ("  (replaced the file that was there)" if p in existed else ""))
     # a ComfyUI extra-model-paths file naming these folders (paths relative to the file's own folder)
     folders = sorted({os.path.basename(os.path.dirname(p)) for p in paths.values()})
     yaml_path = os.path.join(args.dir, "extra_model_paths.yaml")

@@ -221,9 +221,15 @@ def _save_aligned(sd, path: str, metadata: dict[str, str]) -> None:
     with open(path, "rb") as f:
         raw = f.read()
     n = int.from_bytes(raw[:8], "little")
-    pad = -(8 + n) % 64
+    # the writer orders ``__metadata__`` by a hash map (a different order each run): sorted here, so that the same
+    # inputs give the same bytes; tensor entries and their offsets are kept as written
+    hdr = json.loads(raw[8:8 + n])
+    if "__metadata__" in hdr:
+        hdr["__metadata__"] = dict(sorted(hdr["__metadata__"].items()))
+    head = json.dumps(hdr, separators=(",", ":")).encode()
+    pad = -(8 + len(head)) % 64
     with open(path, "wb") as f:
-        f.write((n + pad).to_bytes(8, "little") + raw[8:8 + n] + b" " * pad + raw[8 + n:])
+        f.write((len(head) + pad).to_bytes(8, "little") + head + b" " * pad + raw[8 + n:])
 
 
 def make_fixtures(root: str, cfg: TinyH3Config = TinyH3Config(), seed: int = 0, nvfp4: bool = True) -> dict[str, str]:

@@ -317,8 +317,11 @@ def kernels_part():
             a, b = qkv0.clone(), qkv0.clone()
             v0 = unfused(a)
             v1 = fk.qk_norm_rope(b, HEADS, HD, table, qw, kw, 1e-6)
-            d = (a.view(torch.int16).int() - b.view(torch.int16).int()).abs()
-            d = torch.where((a.float() == b.float()), torch.zeros_like(d), d)    # +0 / -0
+            def ordered(t):     # bf16 bit patterns -> integers in the order of their values (ulp distances)
+                i = t.view(torch.int16).int()
+                return torch.where(i < 0, -32768 - i, i)
+
+            d = (ordered(a) - ordered(b)).abs()
             ref = fk.qk_norm_rope_ref(qkv0[sample], HEADS, HD, table[:, sample], qw, kw, 1e-6)
             out.update(v_bit_identical=bool(torch.equal(v0, v1)), ulp_max_vs_kitchen=int(d.max()),
                        ulp_mismatch_frac_vs_kitchen=float((d > 0).double().mean()),

@@ -38,6 +38,7 @@ CPU in tests. Measured bounds and GPU status: docs/kernels.md, "Fused producers"
 """
 from __future__ import annotations
 
+import math
 import os
 from typing import Sequence
 
@@ -408,19 +409,24 @@ def qk_norm_rope(qkv: torch.Tensor, heads: int, head_dim: int, freqs: torch.Tens
     _need_triton(where, qkv)
     _check_act(where, "qkv", qkv)
     s, width = qkv.shape
-    if width != 3 * heads * head_dim or head_dim & (head_dim - 1):
-        raise ValueError(f"{where}: qkv has {width} columns, expected 3 * heads * head_dim = {3 * heads * head_dim} "
-                         f"with a power-of-two head_dim (got {head_dim})")
+    if head_dim < 2 or head_dim & (head_dim - 1):
+        raise ValueError(f"{where}: head_dim {head_dim} is not a power of two >= 2")
+    if width != 3 * heads * head_dim:
+        raise ValueError(f"{where}: qkv has {width} columns, expected 3 * heads * head_dim = {3 * heads * head_dim}")
     why = rope_table_problem(qkv, heads, head_dim, freqs)
     if why is not None:
-        raise ValueError(f"{where}: {why}")
+        raise ValueError(f"{where}: freqs: {why}")
+    if freqs.device != qkv.device:
+        raise ValueError(f"{where}: freqs on {freqs.device}, qkv on {qkv.device}")
     for name, w in (("q_weight", q_weight), ("k_weight", k_weight)):
         if w.shape != (head_dim,) or w.device != qkv.device:
             raise ValueError(f"{where}: {name} must be [{head_dim}] on {qkv.device}, got {tuple(w.shape)} on {w.device}")
+    if not isinstance(eps, (int, float)) or not math.isfinite(eps) or eps < 0:
+        raise ValueError(f"{where}: eps {eps!r}, expected a finite number >= 0")
     r2 = int(freqs.shape[3])
     v = torch.empty((s, heads, head_dim), device=qkv.device, dtype=qkv.dtype)
     if s:
-        bs = 16 if INTERPRET else int(SETTINGS["rope_rows"])
+        bs = int(SETTINGS["rope_rows"])
         _qk_rope_kernel[(triton.cdiv(s, bs), 3)](
             qkv, v, torch.cat((q_weight.reshape(-1), k_weight.reshape(-1))), freqs, s, heads, float(eps), qkv.stride(0),
             freqs.stride(1), freqs.stride(3), freqs.stride(4), freqs.stride(5), D=head_dim, R2=r2, BS=bs,

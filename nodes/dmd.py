@@ -94,7 +94,7 @@ class H3TurboDMDLoader(io.ComfyNode):
                         "release folder. Files are validated first. adaln: auto = the release's adaln/ table (needed by "
                         "W8A8), none = compute from the BF16 weights, or a table from models/h3turbo_adaln. compute: "
                         "int8 = W8A8 int8 GEMM (BF16 weights are quantized on load), reference = BF16 / dequantized "
-                        "W8A8, exact / fp8 = the BF16 weights' block projections quantized to NVFP4 on load (11 GB "
+                        "W8A8, exact / fp8 / blackwell_fp4 = the BF16 weights' block projections quantized to NVFP4 on load (11 GB "
                         "instead of 40) and run by the NVFP4 loader's kernels (fp8: the fastest on Hopper/Ada). Sample with H3 Turbo Sigmas + H3 Turbo Sampler (the DMD contract is attached).",
             inputs=[
                 io.Combo.Input("model_name", options=list(model_options())),

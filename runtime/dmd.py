@@ -1,6 +1,7 @@
 """Load a TurboH3 DMD checkpoint (BF16 Diffusers shards or the W8A8 export) into core's H3 MODEL.
 
-Order of work (a failed load builds nothing and touches no loaded model):
+Order of work (a failed load touches no loaded model; every check on the files and inputs runs before anything is
+built, only the NVFP4 paths' compute install runs on the built model, and a failure there drops it):
 1. resolve ``model_name`` (a file, a shard index or a release folder: :func:`h3_turbo.formats.dmd.find_release`),
    the compute path (``kernels.registry.resolve`` for ``int8_block128`` weights, or for ``nvfp4`` weights with
    :data:`NVFP4_COMPUTE`) and which weights to load (a folder with both: W8A8 for ``int8``, BF16 otherwise);
@@ -353,16 +354,17 @@ def load_dmd_model(path: str, adaln: str = ADALN_AUTO, compute: str = "auto", di
     if table is not None:
         adaln_mod.install(dm, table)
     mp.size = mm.module_size(mp.model)
-    nq = 0
+    nq, wmode = 0, None
     if nvfp4:
-        nq = _install_nvfp4_compute(mp, cpath, load_device, cfg)
+        nq, wmode = _install_nvfp4_compute(mp, cpath, load_device)
     mp.cached_patcher_init = (_reload, (path, adaln, compute))
     name = os.path.basename(path.rstrip("/"))
     contracts.attach(mp, contracts.TURBOH3_DMD, compute=cpath, compute_reason=reason, source_format=det.format,
                      checkpoint=name, adaln=(table.describe() if table is not None else "from the weights"),
-                     dmd=True)
+                     dmd=True, weights=wmode)
     state.record_loaded_model(weights, format=det.format, compute=cpath, bytes=int(mp.model_size()),
-                              layers_int8=n8, layers_nvfp4=nq, adaln=("table" if table is not None else "weights"))
+                              layers_int8=n8, layers_nvfp4=nq, weights=wmode,
+                              adaln=("table" if table is not None else "weights"))
     if det.naming != "diffusers" and rel.manifest is None:
         log_once(("dmd-core-named", weights), "Load TurboH3 DMD Model: %s is a core-named H3 file with no release "
                  "manifest: nothing in it says it is the TurboH3 DMD model, and it is sampled as one (4 updates, "
@@ -375,9 +377,9 @@ def load_dmd_model(path: str, adaln: str = ADALN_AUTO, compute: str = "auto", di
     return mp
 
 
-def _install_nvfp4_compute(mp, cpath: str, load_device, cfg) -> int:
+def _install_nvfp4_compute(mp, cpath: str, load_device) -> tuple[int, str]:
     """The NVFP4 loader's compute install on the quantized projections (``runtime.ops.install_compute``, weights
-    ``auto``: resident when they fit) and the size ComfyUI reserves; returns the number of NVFP4 layers."""
+    ``auto``: resident when they fit) and the size ComfyUI reserves; returns (NVFP4 layers, weights mode)."""
     from ..kernels import dispatch
     from .loading import resolve_weights
     from .ops import install_compute
@@ -395,7 +397,7 @@ def _install_nvfp4_compute(mp, cpath: str, load_device, cfg) -> int:
     mp.size = int(mp.model_size()) + extra + dispatch.workspace_bytes(shapes, cpath)
     log_once(("dmd-nvfp4", cpath, wmode), "Load TurboH3 DMD Model: %d NVFP4 projections use compute=%s, weights=%s "
              "(%s): +%.2f GiB prepared weights", n, cpath, wmode, wreason, extra / 2**30)
-    return n
+    return n, wmode
 
 
 def _reload(path, adaln, compute, disable_dynamic=False):

@@ -230,9 +230,14 @@ class FusedBlockPatch:
         if args.get("rope_freqs") is None:
             return "no rope table (core's non-rope attention branch)"
         at = block.attn
-        why = fk.rope_table_problem(x.new_empty((x.shape[0], 0)), int(at.heads), int(at.head_dim), args["rope_freqs"])
+        hd = int(at.head_dim)
+        if hd < 2 or hd & (hd - 1):
+            return f"head_dim {hd} is not a power of two (the fused RMSNorm+RoPE kernel's tile)"
+        why = fk.rope_table_problem(x.new_empty((x.shape[0], 0)), int(at.heads), hd, args["rope_freqs"])
         if why is not None:
             return why
+        if args["rope_freqs"].device != x.device:
+            return f"rope table on {args['rope_freqs'].device}, stream on {x.device}"
         if getattr(at.q_norm, "weight", None) is None or getattr(at.k_norm, "weight", None) is None:
             return "q_norm / k_norm without a weight"
         for name in ("attn", "mlp"):

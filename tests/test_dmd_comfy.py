@@ -253,7 +253,8 @@ def test_streamed_placeholders_build_the_same_model(release, monkeypatch, which,
     assert any(k.endswith("int8_weight") for k in ref) == (compute == "int8")
 
 
-def test_bf16_dmd_quantized_to_nvfp4_on_load(comfy, release, monkeypatch):
+@pytest.mark.parametrize("path", ["fp8", "exact"])
+def test_bf16_dmd_quantized_to_nvfp4_on_load(comfy, release, monkeypatch, path):
     """compute=fp8 / exact: the BF16 shards' block projections become ComfyUI-native NVFP4 layers on the NVFP4
     loader's compute path. The kernels need CUDA: on the CPU the request is refused naming the device; with the
     resolution forced, the layers run core's NVFP4 path on the CPU (the kernels' CPU fallback) and sample close to
@@ -262,27 +263,31 @@ def test_bf16_dmd_quantized_to_nvfp4_on_load(comfy, release, monkeypatch):
     from h3_turbo.kernels import registry
     from h3_turbo.runtime import dmd
 
-    with pytest.raises(NoCapablePathError, match=r"compute=fp8: compute 'fp8' needs a CUDA GPU"):
-        dmd.load_dmd_model(release["index"], "none", "fp8")
+    with pytest.raises(NoCapablePathError, match=f"compute={path}: compute '{path}' needs a CUDA GPU"):
+        dmd.load_dmd_model(release["index"], "none", path)
     real = registry.resolve
-    monkeypatch.setattr(registry, "resolve", lambda c, d, wf="nvfp4": ("fp8", "forced by the test") if
-                        (wf, c) == ("nvfp4", "fp8") else real(c, d, wf))
-    mp = dmd.load_dmd_model(release["index"], "none", "fp8")
+    monkeypatch.setattr(registry, "resolve", lambda c, d, wf="nvfp4": (path, "forced by the test") if
+                        (wf, c) == ("nvfp4", path) else real(c, d, wf))
+    mp = dmd.load_dmd_model(release["index"], "none", path)
     ref = dmd.load_dmd_model(release["index"], "none", "reference")
     dm, dr = mp.model.diffusion_model, ref.model.diffusion_model
     n, g = 0, torch.Generator().manual_seed(0)
     for name, mod in dm.named_modules():
         if name.startswith("blocks.") and name.split(".", 2)[-1] in dmd.QUANTIZED_PROJECTIONS:
             n += 1
-            assert mod._h3_path == "fp8" and "NVFP4Layout" in repr(mod.weight)   # core's NVFP4 QuantizedTensor
+            assert mod._h3_path == path and "NVFP4Layout" in repr(mod.weight)   # core's NVFP4 QuantizedTensor
             x = torch.randn(7, mod.in_features, generator=g)
             r = _rel(mod(x), dr.get_submodule(name)(x))
             assert 0.02 < r < 0.15, (name, r)            # NVFP4 rounding of Gaussian weights: ~10% per layer
     assert n == 4 * len(dm.blocks)
-    assert contracts.copy_entry(mp.model_options).get("compute") == "fp8"
+    from h3_turbo.runtime import fused_block
+
+    assert fused_block.structure_problem(dm.blocks[0]) is None        # the Fused Blocks node installs on it
+    entry = contracts.copy_entry(mp.model_options)
+    assert entry.get("compute") == path and entry.get("weights") in ("resident", "lean")
     with pytest.raises(CheckpointError, match=r"model_w8a8.safetensors.*only the W8A8 int8 weights"):
-        dmd.load_dmd_model(release["w8a8"], release["adaln"], "fp8")
-    for update in ("renoise",):
+        dmd.load_dmd_model(release["w8a8"], release["adaln"], path)
+    for update in (("renoise",) if path == "fp8" else ()):
         want = _sample(comfy, _dmd(INDEX, "none"), update)
-        got = _sample(comfy, _dmd(FOLDER, "auto", "fp8"), update)       # the folder: BF16 weights + adaln/ table
+        got = _sample(comfy, _dmd(FOLDER, "auto", path), update)       # the folder: BF16 weights + adaln/ table
         assert not _eq(got[0], want[0]) and _rel(got[0], want[0]) < 0.03 and _rel(got[1], want[1]) < 0.03  # ~0.45%

@@ -63,3 +63,30 @@ def test_path_triton_backend_on_cpu_tensors():
     finally:
         PATH.settings.backend = "auto"
     assert rel(y, x.double() @ ib.dequantize(w, torch.float64).t()) < PATH.error_bound
+
+
+@pytest.mark.parametrize("cfg", [
+    {"BM": 32, "BN": 32, "PIPE": True},
+    {"BM": 32, "BN": 64, "TMA": True},
+    {"BM": 32, "BN": 64, "TMA": True, "PIPE": True},
+    {"BM": 32, "BN": 32, "TMA": True, "WS": True},
+    {"BM": 256, "BN": 32},                  # the tile spans two 128-row activation blocks: per-row scales
+    {"BM": 32, "BN": 256},                  # and two 128-row weight groups: per-column scales
+], ids=["pipe", "tma", "tma_pipe", "tma_ws", "bm256", "bn256"])
+@pytest.mark.parametrize("split", [False, True], ids=["blocks128", "per_row"])
+def test_gemm_launch_variants_equal_the_recipe(cfg, split):
+    """Every launch variant of the sweep (benchmarks/bench_int8.py SWEEP_CONFIGS' switches) computes the recipe:
+    within fp32 accumulation of the float64 recipe, ragged M/N, K % 128 != 0 (TMA: K % 16 == 0)."""
+    m, n, k = 300, 272, (256 + 48 if cfg.get("TMA") else 300)
+    g = torch.Generator().manual_seed(n + k)
+    if split:
+        w = ib.fuse_rows([ib.quantize_weight(torch.randn(n // 2, k, generator=g) * 0.02) for _ in range(2)])
+    else:
+        w = ib.quantize_weight(torch.randn(n, k, generator=g) * 0.02)
+    x = torch.randn(m, k, generator=g).to(torch.bfloat16)
+    it.FORCED["config"] = dict({"GROUP_M": 2, "num_warps": 4, "num_stages": 1}, **cfg)
+    try:
+        y = it.gemm(x, w, out_dtype=torch.float32)
+    finally:
+        it.FORCED["config"] = None
+    assert rel(y, ib.recipe_fp64(x, w)) < 1e-6

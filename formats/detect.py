@@ -21,9 +21,8 @@ from dataclasses import dataclass, field
 from ..model_facts import (DEPTH, FP32_ISLAND, KEY_PREFIXES, NEVER_QUANTIZE, PROJECTIONS,  # noqa: F401 (re-exported)
                            REFINER_DEPTH)
 from . import registry
-from . import nvfp4
 from .nvfp4 import roundup
-from .safetensors_io import CheckpointError, Header, TensorInfo, open_tensors
+from .safetensors_io import CheckpointError, Header, TensorInfo
 from .schemes.base import (CORE_QUANT_FORMATS, FLOAT_DTYPES, QUANT_SUFFIXES, SCALE_DTYPES,  # noqa: F401
                            SMALL_NUMEL, Evidence, HeaderView, QuantLayer, Scheme)
 from .schemes.plain import UNCLAIMED

@@ -68,7 +68,7 @@ try:
     import triton
     import triton.language as tl
 
-    from .triton_interp import rne_bf16, rne_e4m3, rne_f16
+    from .triton_interp import round_to as _round, to_e4m3 as _e4m3
     _TRITON_ERROR = None
 except Exception as e:  # noqa: BLE001 - no Triton: the wrappers raise, the eager ops still work
     triton = None
@@ -110,24 +110,6 @@ def segment_rows(segments: Sequence[tuple[int, int, int]], m: int, device) -> to
 # --------------------------------------------------------------------------- Triton kernels
 
 if triton is not None:
-    @triton.jit
-    def _round(v, dt: tl.constexpr, INTERP: tl.constexpr):
-        """fp32 -> dt (bf16/fp16/fp32) rounded to nearest even, returned as dt (the interpreter truncates
-        fp32 -> bf16/fp16 casts, so the value is put on the grid first there)."""
-        if INTERP:
-            if dt == tl.bfloat16:
-                v = rne_bf16(v)
-            elif dt == tl.float16:
-                v = rne_f16(v)
-        return v.to(dt)
-
-    @triton.jit
-    def _e4m3(v, dt: tl.constexpr, INTERP: tl.constexpr):
-        """fp32 (|v| <= 448) -> e4m3 rounded to nearest even."""
-        if INTERP:
-            v = rne_e4m3(v)
-        return v.to(dt)
-
     @triton.jit
     def _norm_mod_kernel(x_ptr, o_ptr, g_ptr, w_ptr, sh_ptr, sc_ptr, seg_ptr, y_ptr, s_ptr,
                          K, eps, stride_x, stride_o, stride_g, stride_sh, stride_sc, stride_y,
@@ -382,10 +364,9 @@ def quant_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return quant_rows_fp8(x)
 
 
-def rope_table_problem(qkv: torch.Tensor, heads: int, head_dim: int, freqs: torch.Tensor) -> str | None:
-    """None if ``freqs`` is a rotation table :func:`qk_norm_rope` reads for ``qkv`` [S, 3 * heads * head_dim]:
+def rope_table_problem(s: int, head_dim: int, freqs: torch.Tensor) -> str | None:
+    """None if ``freqs`` is a rotation table :func:`qk_norm_rope` reads for ``s`` rows of ``head_dim``-wide heads:
     [1, S, 1, R/2, 2, 2] (core's ``rope_rotation_table``) with 0 < R <= head_dim, else what differs."""
-    s = qkv.shape[0]
     if freqs.dim() != 6 or freqs.shape[0] != 1 or freqs.shape[1] != s or freqs.shape[2] != 1 \
             or tuple(freqs.shape[-2:]) != (2, 2):
         return f"rope table shape {tuple(freqs.shape)}, expected [1, {s}, 1, R/2, 2, 2]"
@@ -413,7 +394,7 @@ def qk_norm_rope(qkv: torch.Tensor, heads: int, head_dim: int, freqs: torch.Tens
         raise ValueError(f"{where}: head_dim {head_dim} is not a power of two >= 2")
     if width != 3 * heads * head_dim:
         raise ValueError(f"{where}: qkv has {width} columns, expected 3 * heads * head_dim = {3 * heads * head_dim}")
-    why = rope_table_problem(qkv, heads, head_dim, freqs)
+    why = rope_table_problem(s, head_dim, freqs)
     if why is not None:
         raise ValueError(f"{where}: freqs: {why}")
     if freqs.device != qkv.device:

@@ -34,3 +34,23 @@ def rne_f16(x):
     """fp32 -> nearest fp16 value in fp16's normal range (ties to even) as fp32."""
     b = x.to(tl.int32, bitcast=True)
     return ((b + 0xFFF + ((b >> 13) & 1)) & -8192).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def round_to(v, dt: tl.constexpr, INTERP: tl.constexpr):
+    """fp32 -> ``dt`` (bf16 / fp16 / fp32) rounded to nearest even, as ``dt``: on the GPU the hardware conversion;
+    under the interpreter (``INTERP``) the value is put on the grid first (its casts truncate)."""
+    if INTERP:
+        if dt == tl.bfloat16:
+            v = rne_bf16(v)
+        elif dt == tl.float16:
+            v = rne_f16(v)
+    return v.to(dt)
+
+
+@triton.jit
+def to_e4m3(v, dt: tl.constexpr, INTERP: tl.constexpr):
+    """fp32 (|v| <= 448) -> e4m3 (``dt``) rounded to nearest even (onto the grid first under the interpreter)."""
+    if INTERP:
+        v = rne_e4m3(v)
+    return v.to(dt)

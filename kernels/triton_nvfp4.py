@@ -26,7 +26,7 @@ import triton
 import triton.language as tl
 
 from .. import state
-from .triton_interp import rne_bf16, rne_e4m3
+from .triton_interp import round_to as _cast, to_e4m3 as _to_e4m3
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
@@ -46,22 +46,6 @@ def _e4m3_x2p14(s):
     sub = (s & 7).to(tl.float32) * 32.0
     v = tl.where(e == 0, sub, normal)
     return tl.where((s & 0x80) != 0, -v, v)
-
-
-@triton.jit
-def _cast(v, dt: tl.constexpr, INTERP: tl.constexpr):
-    """fp32 -> dt with round-to-nearest-even (the interpreter truncates fp32->bf16, so round first there)."""
-    if INTERP and dt == tl.bfloat16:
-        v = rne_bf16(v)
-    return v.to(dt)
-
-
-@triton.jit
-def _to_e4m3(v, dt: tl.constexpr, INTERP: tl.constexpr):
-    """fp32 (|v| <= 448) -> e4m3 with round-to-nearest-even (rounded onto the grid first under the interpreter)."""
-    if INTERP:
-        v = rne_e4m3(v)
-    return v.to(dt)
 
 
 @triton.jit

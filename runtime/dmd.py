@@ -356,7 +356,14 @@ def load_dmd_model(path: str, adaln: str = ADALN_AUTO, compute: str = "auto", di
     mp.size = mm.module_size(mp.model)
     nq, wmode = 0, None
     if nvfp4:
-        nq, wmode = _install_nvfp4_compute(mp, cpath, load_device)
+        from .loading import install_kernels
+
+        shapes = [(int(m.out_features), int(m.in_features)) for name, m in dm.named_modules()
+                  if name.startswith("blocks.") and name.split(".", 2)[-1] in QUANTIZED_PROJECTIONS]
+        nq, wmode, _, _ = install_kernels(mp, cpath, "auto", load_device, shapes, weights)
+        if nq != len(shapes):
+            raise RuntimeError(f"Load TurboH3 DMD Model: compute={cpath} installed on {nq} of the {len(shapes)} "
+                               "NVFP4 block projections (core did not build them all as NVFP4 layers)")
     mp.cached_patcher_init = (_reload, (path, adaln, compute))
     name = os.path.basename(path.rstrip("/"))
     contracts.attach(mp, contracts.TURBOH3_DMD, compute=cpath, compute_reason=reason, source_format=det.format,
@@ -375,29 +382,6 @@ def load_dmd_model(path: str, adaln: str = ADALN_AUTO, compute: str = "auto", di
              cpath, reason, n8, nq,
              table.describe() if table is not None else "from the weights")
     return mp
-
-
-def _install_nvfp4_compute(mp, cpath: str, load_device) -> tuple[int, str]:
-    """The NVFP4 loader's compute install on the quantized projections (``runtime.ops.install_compute``, weights
-    ``auto``: resident when they fit) and the size ComfyUI reserves; returns (NVFP4 layers, weights mode)."""
-    from ..kernels import dispatch
-    from .loading import resolve_weights
-    from .ops import install_compute
-
-    shapes = []
-    for name, mod in mp.model.diffusion_model.named_modules():
-        if name.startswith("blocks.") and name.split(".", 2)[-1] in QUANTIZED_PROJECTIONS:
-            shapes.append((int(mod.out_features), int(mod.in_features)))
-    wmode, wreason = resolve_weights("auto", cpath, load_device, int(mp.model_size()), shapes)
-    n = install_compute(mp, cpath, weights=wmode)
-    if n != len(shapes):
-        raise RuntimeError(f"Load TurboH3 DMD Model: compute={cpath} installed on {n} of the {len(shapes)} NVFP4 "
-                           "block projections (core did not build them as NVFP4 layers)")
-    extra = dispatch.prepared_bytes(shapes, cpath, lean=wmode == "lean")
-    mp.size = int(mp.model_size()) + extra + dispatch.workspace_bytes(shapes, cpath)
-    log_once(("dmd-nvfp4", cpath, wmode), "Load TurboH3 DMD Model: %d NVFP4 projections use compute=%s, weights=%s "
-             "(%s): +%.2f GiB prepared weights", n, cpath, wmode, wreason, extra / 2**30)
-    return n, wmode
 
 
 def _reload(path, adaln, compute, disable_dynamic=False):

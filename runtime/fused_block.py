@@ -233,7 +233,7 @@ class FusedBlockPatch:
         hd = int(at.head_dim)
         if hd < 2 or hd & (hd - 1):
             return f"head_dim {hd} is not a power of two (the fused RMSNorm+RoPE kernel's tile)"
-        why = fk.rope_table_problem(x.new_empty((x.shape[0], 0)), int(at.heads), hd, args["rope_freqs"])
+        why = fk.rope_table_problem(x.shape[0], hd, args["rope_freqs"])
         if why is not None:
             return why
         if args["rope_freqs"].device != x.device:

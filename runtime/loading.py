@@ -125,6 +125,23 @@ def resolve_weights(requested: str, cpath: str, device, model_bytes: int,
     return ("resident", f"fits: {nums}") if need <= free else ("lean", f"does not fit: {nums}")
 
 
+def install_kernels(mp, cpath: str, weights: str, load_device, shapes: list[tuple[int, int]],
+                    what: str) -> tuple[int, str, int, int]:
+    """Put the NVFP4 projections of the built MODEL ``mp`` on kernel path ``cpath`` (``install_compute``) with the
+    weight mode ``resolve_weights`` picks for ``weights``, and set the size ComfyUI reserves: packed weights + the
+    kernels' prepared copies + their reused work buffers. ``shapes``: the [N, K] of the NVFP4 projections; ``what``
+    names the checkpoint in the log. Returns (layers installed, weights mode, prepared bytes, work-buffer bytes)."""
+    wmode, wreason = resolve_weights(weights, cpath, load_device, int(mp.model_size()), shapes)
+    n = install_compute(mp, cpath, weights=wmode)
+    extra = dispatch.prepared_bytes(shapes, cpath, lean=wmode == "lean")
+    work_b = dispatch.workspace_bytes(shapes, cpath)
+    mp.size = int(mp.model_size()) + extra + work_b
+    log_once(("installed", what, cpath, wmode), "H3 Turbo loader: %d NVFP4 projections use compute=%s, weights=%s "
+             "-> %s (%s): +%.2f GiB prepared weights, +%.2f GiB work buffers on the GPU", n, cpath, weights, wmode,
+             wreason, extra / 2**30, work_b / 2**30)
+    return n, wmode, extra, work_b
+
+
 def load_h3_model(path: str, compute: str = "auto", disable_dynamic: bool = False, keep_fp32_island: bool = True,
                   adaln: str = "auto", weights: str = "auto"):
     """Validate, convert and build an H3 MODEL (a ComfyUI ModelPatcher) from ``path``.
@@ -207,15 +224,7 @@ def load_h3_model(path: str, compute: str = "auto", disable_dynamic: bool = Fals
         if not keep_fp32_island:
             raise RuntimeError(f"compute={cpath} needs the H3 Turbo operations (keep_fp32_island=True)")
         shapes = [(q.n, q.k) for q in det.quant_layers.values()]
-        wmode, wreason = resolve_weights(weights, cpath, load_device, int(mp.model_size()), shapes)
-        n = install_compute(mp, cpath, weights=wmode)
-        extra = dispatch.prepared_bytes(shapes, cpath, lean=wmode == "lean")
-        work_b = dispatch.workspace_bytes(shapes, cpath)
-        # what ComfyUI reserves: packed weights + the kernels' prepared copies + their reused work buffers
-        mp.size = int(mp.model_size()) + extra + work_b
-        log_once(("installed", path, cpath, wmode), "H3 Turbo loader: %d NVFP4 projections use compute=%s, "
-                 "weights=%s -> %s (%s): +%.2f GiB prepared weights, +%.2f GiB work buffers on the GPU", n, cpath,
-                 weights, wmode, wreason, extra / 2**30, work_b / 2**30)
+        _, wmode, extra, work_b = install_kernels(mp, cpath, weights, load_device, shapes, path)
     contracts.attach(mp, None, compute=cpath, compute_reason=reason, source_format=det.format,
                      checkpoint=os.path.basename(path), packed_bytes=packed, adaln=amode, weights=wmode)
     state.record_loaded_model(path, format=det.format, compute=cpath, packed_bytes=packed,

@@ -18,28 +18,15 @@ import torch
 
 from h3_turbo.adapters import contracts
 
-from corpus import PatchTable  # noqa: E402  (tests/ is on sys.path)
+from corpus import PatchTable, model_node  # noqa: E402  (tests/ is on sys.path)
 
 pytestmark = pytest.mark.comfyui
 
 SUB = "h3t_dmd"
 
 
-class _AttachDMD:
-    """Test-only: attach the TurboH3 DMD contract to a core-loaded MODEL (UNETLoader)."""
-
-    @classmethod
-    def INPUT_TYPES(cls):
-        return {"required": {"model": ("MODEL",)}}
-
-    RETURN_TYPES = ("MODEL",)
-    FUNCTION = "go"
-    CATEGORY = "h3_turbo_tests"
-
-    def go(self, model):
-        m = model.clone()
-        contracts.attach(m, contracts.TURBOH3_DMD)
-        return (m,)
+_AttachDMD = model_node(lambda m: contracts.attach(m, contracts.TURBOH3_DMD),
+                        "Test-only: attach the TurboH3 DMD contract to a core-loaded MODEL (UNETLoader).")
 
 
 @pytest.fixture(scope="module")

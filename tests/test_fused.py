@@ -387,7 +387,6 @@ def test_attention_wrapper_follows_cores_forward(comfy):
 
     class PlainAttention(h3.Attention):
         def forward(self, x, rope_freqs=None, transformer_options={}):   # the names core's newer forward uses
-            s = x.shape[0]
             q, k, v = self.qkv_proj(x).split(self.heads * self.head_dim, dim=-1)
             comfy.quant_ops.ck.rms_rope_split_half_(q, k, rope_freqs, None, None)  # noqa: F821 - never run
             return self.out_proj(optimized_attention(q, k, v, self.heads))          # noqa: F821

@@ -27,7 +27,6 @@ if os.environ.get("TRITON_INTERPRET") != "1":
 import torch  # noqa: E402
 
 from h3_turbo.kernels import fused as fk  # noqa: E402
-from h3_turbo.kernels import nvfp4_ref as ref  # noqa: E402
 
 # (rows, width, segments): ragged widths (not powers of two, one the real hidden 5376), one-row and
 # many-segment cases; segments as core's mod_segments (start, stop, mod_row)

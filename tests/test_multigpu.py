@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from corpus import model_node  # tests/ is on sys.path
 
 pytestmark = pytest.mark.multigpu
 
@@ -184,21 +185,13 @@ def _boom_on_rank1(executor, *args, **kwargs):
     return executor(*args, **kwargs)
 
 
-class _Boom:
-    @classmethod
-    def INPUT_TYPES(cls):
-        return {"required": {"model": ("MODEL",)}}
+def _add_boom(m):
+    import comfy.patcher_extension as pe
 
-    RETURN_TYPES = ("MODEL",)
-    FUNCTION = "go"
-    CATEGORY = "h3_turbo_tests"
+    m.add_wrapper_with_key(pe.WrappersMP.DIFFUSION_MODEL, "h3turbo_test_boom", _boom_on_rank1)
 
-    def go(self, model):
-        import comfy.patcher_extension as pe
 
-        m = model.clone()
-        m.add_wrapper_with_key(pe.WrappersMP.DIFFUSION_MODEL, "h3turbo_test_boom", _boom_on_rank1)
-        return (m,)
+_Boom = model_node(_add_boom, "Test-only: a DIFFUSION_MODEL wrapper that raises on rank 1.")
 
 
 @pytest.fixture(scope="module")

@@ -23,7 +23,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from corpus import (ADAPTER_BAD_VALUE_CASES, LAYOUT_CASES, MODEL_CASES_2, _load, _save,  # noqa: E402
-                    build_model_corpus_2, with_vsa_gates)
+                    build_model_corpus_2, model_node, with_vsa_gates)
 from test_reliability import (BIG_UNET, SMALL_4, _chain, _fp, big_base, expect_failure, graph,  # noqa: E402,F401
                               loaded_patcher, rel_models, run_latents, small_ref)
 
@@ -437,21 +437,13 @@ class MiniMaxH3FunControlPatch:
 def _fun_controlnet(comfy, p, variant=None):
     import nodes
 
-    class H3RelFunControlNetApply:
-        @classmethod
-        def INPUT_TYPES(cls):
-            return {"required": {"model": ("MODEL",)}}
+    def add_fun_control(m):
+        import comfy.patcher_extension as pe
 
-        RETURN_TYPES = ("MODEL",)
-        FUNCTION = "apply"
-        CATEGORY = "testing"
+        m.add_wrapper(pe.WrappersMP.DIFFUSION_MODEL, MiniMaxH3FunControlPatch().diffusion_model_wrapper)
 
-        def apply(self, model):
-            import comfy.patcher_extension as pe
-
-            m = model.clone()
-            m.add_wrapper(pe.WrappersMP.DIFFUSION_MODEL, MiniMaxH3FunControlPatch().diffusion_model_wrapper)
-            return (m,)
+    H3RelFunControlNetApply = model_node(add_fun_control, "Test-only: core's Fun ControlNet wrapper on the MODEL.",
+                                         name="H3RelFunControlNetApply")
 
     nodes.NODE_CLASS_MAPPINGS["H3RelFunControlNetApply"] = H3RelFunControlNetApply
     _chain(p, "H3RelFunControlNetApply")

@@ -16,6 +16,8 @@ import textwrap
 import pytest
 import torch
 
+from corpus import model_node  # noqa: E402  (tests/ is on sys.path)
+
 from h3_turbo.adapters import contracts
 from h3_turbo.samplers import schedules
 
@@ -29,41 +31,17 @@ CONTRACTS = {
 CAPTURED: dict[str, dict] = {}
 
 
-class _AttachContract:
-    """Test-only: attach a Turbo contract (and adapter alias) to a clone of the MODEL."""
+def _foreign_wrapper(m):
+    import comfy.patcher_extension as pe
 
-    @classmethod
-    def INPUT_TYPES(cls):
-        return {"required": {"model": ("MODEL",), "variant": (list(CONTRACTS),)}}
-
-    RETURN_TYPES = ("MODEL",)
-    FUNCTION = "go"
-    CATEGORY = "h3_turbo_tests"
-
-    def go(self, model, variant):
-        m = model.clone()
-        contracts.attach(m, CONTRACTS[variant], adapter=f"test-{variant}")
-        return (m,)
+    m.add_wrapper_with_key(pe.WrappersMP.DIFFUSION_MODEL, "foreign_cache_pack", lambda executor, *a, **k: executor(*a, **k))
 
 
-class _ForeignWrapper:
-    """Test-only: a foreign DIFFUSION_MODEL wrapper (like a third-party cache pack would add)."""
-
-    @classmethod
-    def INPUT_TYPES(cls):
-        return {"required": {"model": ("MODEL",)}}
-
-    RETURN_TYPES = ("MODEL",)
-    FUNCTION = "go"
-    CATEGORY = "h3_turbo_tests"
-
-    def go(self, model):
-        import comfy.patcher_extension as pe
-
-        m = model.clone()
-        m.add_wrapper_with_key(pe.WrappersMP.DIFFUSION_MODEL, "foreign_cache_pack",
-                               lambda executor, *a, **k: executor(*a, **k))
-        return (m,)
+_AttachContract = model_node(lambda m, variant: contracts.attach(m, CONTRACTS[variant], adapter=f"test-{variant}"),
+                             "Test-only: attach a Turbo contract (and adapter alias) to a clone of the MODEL.",
+                             {"variant": (list(CONTRACTS),)})
+_ForeignWrapper = model_node(_foreign_wrapper, "Test-only: a foreign DIFFUSION_MODEL wrapper (like a third-party cache "
+                             "pack would add).")
 
 
 class _Capture:

@@ -25,8 +25,8 @@ import torch
 
 from ..errors import CheckpointError
 from ..formats import dmd as fdmd
-from ..formats.convert import _ST_DTYPES, write_safetensors_stream
-from ..formats.schemes.diffusers_map import core_to_diffusers, diffusers_key, rope_inv_freq
+from ..formats.convert import write_safetensors_stream
+from ..formats.schemes.diffusers_map import core_to_diffusers, rope_inv_freq
 from ..formats.schemes.w8a8_int8 import RELEASE_FORMAT
 from ..kernels import int8_block as ib
 

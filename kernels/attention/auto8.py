@@ -155,6 +155,8 @@ class Auto8Backend(AttentionBackend):
                ">= 0.998 against exact on the first call of each shape (measured once, logged); else exact.")
     approximate = True
     fallback = "exact"
+    apply_note = (f"auto8 on this MODEL: per shape, the fastest 8-bit attention passing a per-head cosine >= "
+                  f"{COS_MIN:.3f} gate against exact (approximate); else exact")
     # the CPU check: the choice among int8_sage (Triton interpreted) and cudnn_fp8 (its eager model) on CPU tensors;
     # both pass the gate there, so the bound is the looser of the two candidates' own bounds
     tolerance = Tolerance(rel_l2=0.10, cos_min=0.995, dtype=torch.bfloat16)
@@ -168,10 +170,6 @@ class Auto8Backend(AttentionBackend):
     def override(self) -> Auto8Attention:
         return auto8_override()
 
-    def apply(self, patcher) -> None:
-        log.info("H3TurboAttention: auto8 on this MODEL: per shape, the fastest 8-bit attention passing a per-head "
-                 "cosine >= %.3f gate against exact (approximate); else exact", COS_MIN)
-        super().apply(patcher)
 
     def cpu_override(self) -> Auto8Attention:
         """The chooser on CPU tensors: candidates the CPU overrides of ``cudnn_fp8`` (eager model) and ``int8_sage``

@@ -106,6 +106,8 @@ class AttentionBackend:
     reference_dtype: torch.dtype = torch.float64
     cpu_env: Mapping[str, str] = {}
     needs_comfy: bool = False
+    #: logged (INFO) each time :meth:`apply` puts the backend on a MODEL (approximate backends say what they trade)
+    apply_note: str = ""
 
     def available(self) -> tuple[bool, str]:
         """(True, "") if the backend can be offered in this process at all (its optional dependency imports); else
@@ -123,7 +125,11 @@ class AttentionBackend:
 
     def apply(self, patcher) -> None:
         """Make the (already cloned) ComfyUI ModelPatcher ``patcher`` run this backend: set its
-        ``model_options["transformer_options"]["optimized_attention_override"]``."""
+        ``model_options["transformer_options"]["optimized_attention_override"]``; logs :attr:`apply_note`."""
+        if self.apply_note:
+            from ...logs import log
+
+            log.info("H3TurboAttention: %s", self.apply_note)
         patcher.model_options.setdefault("transformer_options", {})["optimized_attention_override"] = self.override()
 
     def cpu_override(self) -> Callable[..., Any]:

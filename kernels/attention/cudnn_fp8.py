@@ -26,7 +26,7 @@ from typing import Callable, Sequence
 import torch
 
 from ... import state
-from ...logs import log, log_once
+from ...logs import log_once
 from . import exact
 from .base import AttentionBackend, Tolerance, device_reason, parse_core_call
 
@@ -236,6 +236,8 @@ class CudnnFP8Backend(AttentionBackend):
                "error per call on an H200, cosine ~0.998); needs sm_90+, else exact.")
     approximate = True
     fallback = "exact"
+    apply_note = ("cuDNN FP8 attention (cudnn_fp8) on this MODEL: approximate, ~6% relative per attention call; "
+                  "inputs it does not take run exact attention")
     # the CPU check runs the eager model of the kernel's quantization (emulate_sdpa_fp8), bf16 inputs vs float32
     tolerance = Tolerance(rel_l2=0.10, cos_min=0.995, dtype=torch.bfloat16)
     reference_dtype = torch.float32
@@ -258,10 +260,6 @@ class CudnnFP8Backend(AttentionBackend):
     def override(self) -> CudnnFP8Attention:
         return cudnn_fp8_override()
 
-    def apply(self, patcher) -> None:
-        log.info("H3TurboAttention: cuDNN FP8 attention (cudnn_fp8) on this MODEL: approximate, ~6% relative per "
-                 "attention call; inputs it does not take run exact attention")
-        super().apply(patcher)
 
     def cpu_override(self) -> CudnnFP8Attention:
         """The override's own path on CPU tensors with the eager model of the kernel (:func:`emulate_sdpa_fp8`: the

@@ -16,7 +16,7 @@ from typing import Callable, Sequence
 import torch
 
 from ... import state
-from ...logs import log, log_once
+from ...logs import log_once
 from . import exact
 from .base import AttentionBackend, Tolerance, device_reason, parse_core_call
 
@@ -114,6 +114,8 @@ class Int8SageBackend(AttentionBackend):
                "about 1.3x faster than exact on an H200); needs a GPU with FP8 (sm_89+), else exact.")
     approximate = True
     fallback = "exact"
+    apply_note = ("8-bit attention (int8_sage: INT8 Q.K, FP8 P.V) on this MODEL: approximate, ~4% relative per "
+                  "attention call; inputs it does not take run exact attention")
     # bf16 inputs, vs float32 attention (fp8 P V: ~4 % relative L2 on H3-like inputs)
     tolerance = Tolerance(rel_l2=0.06, cos_min=0.998, dtype=torch.bfloat16)
     reference_dtype = torch.float32
@@ -135,10 +137,6 @@ class Int8SageBackend(AttentionBackend):
     def override(self) -> Int8SageAttention:
         return int8_override()
 
-    def apply(self, patcher) -> None:
-        log.info("H3TurboAttention: 8-bit attention (int8_sage: INT8 Q.K, FP8 P.V) on this MODEL: approximate, "
-                 "~4% relative per attention call; inputs it does not take run exact attention")
-        super().apply(patcher)
 
     def cpu_override(self) -> Int8SageAttention:
         """The kernel on CPU tensors (needs ``TRITON_INTERPRET=1`` before Triton is imported), falling back

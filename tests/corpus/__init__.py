@@ -510,20 +510,35 @@ def with_vsa_gates(src: str, dst: str) -> str:
     return _save(sd, dst, meta)
 
 
-class PatchTable:
-    """Test-only ComfyUI node: put a fixed AdaLN table on a clone of an H3 MODEL (``runtime/adaln.py`` ``patch``)."""
+def model_node(mutate, doc: str, inputs: dict | None = None, name: str = "H3TurboTestNode"):
+    """A test-only ComfyUI node class: MODEL (+ the widget ``inputs``) -> ``mutate(clone, **values)`` applied to a
+    clone of the MODEL, which it returns (the shape of every test node that patches a MODEL)."""
+    extra = dict(inputs or {})
 
-    @classmethod
-    def INPUT_TYPES(cls):
-        return {"required": {"model": ("MODEL",), "table": ("STRING", {"default": ""})}}
+    class Node:
+        @classmethod
+        def INPUT_TYPES(cls):
+            return {"required": {"model": ("MODEL",), **extra}}
 
-    RETURN_TYPES = ("MODEL",)
-    FUNCTION = "go"
-    CATEGORY = "h3_turbo_tests"
+        RETURN_TYPES = ("MODEL",)
+        FUNCTION = "go"
+        CATEGORY = "h3_turbo_tests"
 
-    def go(self, model, table):
-        from h3_turbo.runtime import adaln
+        def go(self, model, **values):
+            m = model.clone()
+            mutate(m, **values)
+            return (m,)
 
-        m = model.clone()
-        adaln.patch(m, adaln.read_table(table))
-        return (m,)
+    Node.__doc__ = doc
+    Node.__name__ = Node.__qualname__ = name
+    return Node
+
+
+def _patch_table(m, table):
+    from h3_turbo.runtime import adaln
+
+    adaln.patch(m, adaln.read_table(table))
+
+
+PatchTable = model_node(_patch_table, "Test-only ComfyUI node: put a fixed AdaLN table on a clone of an H3 MODEL "
+                        "(``runtime/adaln.py`` ``patch``).", {"table": ("STRING", {"default": ""})}, "PatchTable")

@@ -33,7 +33,8 @@ One process, in this order (each step saves ``$OUT/$TAG.json``, so a killed run 
 Env: OUT, TAG (json name, default denoiser_h200), DRY=1 (CPU, tiny widths: checks the script), NB (DiT
 blocks; default 50, DRY 3), SHAPES (comma list WxHxF, default 960x544x124), FAMILIES (comma list, default
 core_bf16,core_nvfp4,ours_exact,ours_fp8), CONFIGS (comma list of configuration names to run, default all),
-FWD_REPS (default 1), FUSED=1 (ours_fp8 also with the fused DiT blocks: ``<name>_fused``), PROFILE (comma list of
+FWD_REPS (default 1), FUSED=1 (ours_fp8 also with the fused DiT blocks: ``<name>_fused``; FUSED_SAGE=1: with their
+int8_sage producer route, ``kernels.fused.SETTINGS["sage_route"]``), PROFILE (comma list of
 configuration names), DEADLINE (s since start after which no
 new configuration starts), CKPT_DIR (where the checkpoint is written), COMFY_ARGS (default --highvram on the
 GPU: offload device = GPU, so unloading a family moves nothing), PLOT=1 (write the PNG at the end),
@@ -702,6 +703,11 @@ PROFILE = [c for c in os.environ.get("PROFILE", "").split(",") if c]
 ATTN = [a for a in os.environ.get("ATTN", "int8_sage,exact").split(",") if a]
 FWD_REPS = int(os.environ.get("FWD_REPS", 1))
 FUSED = os.environ.get("FUSED") == "1"     # ours_fp8 also with the fused DiT blocks (runtime/fused_block.py)
+FUSED_SAGE = os.environ.get("FUSED_SAGE") == "1"   # ... with their int8_sage producer route on (kernels.fused.SETTINGS)
+if FUSED_SAGE:
+    from h3_turbo.kernels import fused as _fk
+
+    _fk.SETTINGS["sage_route"] = True
 TEXT = int(os.environ.get("TEXT", 16 if DRY else 300))
 SEED = 42
 

@@ -13,15 +13,21 @@ Three parts, each saved to ``$OUT/$TAG.json`` after every step (default TAG benc
    - ``swiglu``: core's eager SwiGLU + ``quant_rows_fp8`` vs ``fused.swiglu`` (two-pass and one-pass variants);
    - ``gate_residual``: per-segment ``addcmul_`` vs ``fused.gate_residual_`` (and a bit-identity check);
    - ``qk_norm_rope``: core's comfy-kitchen ``rms_rope_split_half_`` + ``v.clone()`` vs one ``fused.qk_norm_rope``
-     (a sweep of its rows / warps; ulp distance to kitchen's output, both against the float64 reference).
+     (a sweep of its rows / warps; ulp distance to kitchen's output, both against the float64 reference);
+   - ``sage_chain``: qkv GEMM output -> out_proj's e4m3 input with ``int8_sage`` attention, unfused (qk_norm_rope,
+     the backend's Q pre-kernel, K/V statistics + quantization, kernel, bf16 output, ``quant_rows_fp8``) vs fused
+     (``qk_norm_rope_sage``, K/V quantization from its sums, ``sage_attention_prequantized`` with e4m3 output);
+     the pre-passes alone; the kernel with per-block vs per-row Q scales; accuracy against float32 attention.
 2. ``block``: one full-width H3 DiT block (hidden 5376, 56x128 heads, ffn 14336, t_dim 2688; random weights,
    projections quantized by ``formats.nvfp4.quantize`` and loaded into the pack's operations as ComfyUI-native
    NVFP4) at each of ROWS: core's block on compute ``fp8`` (today's path), the fused block, and core's block on
    compute ``exact`` (the reference), each with the ``exact`` attention backend (cuDNN SDPA); Turbo off and on
    (a stand-in for the Turbo branch with the official ranks, qkv 384 / others 128, exposing the branch's fused
    interface: ``h3turbo_lora_forward`` for the unfused block, ``h3turbo_lora_operands`` for the fused one).
-   Reports ms/block (median of REPS), the torch-profiler categories (GEMM, attention, everything else = non-GEMM
-   non-attention ms/block), relative L2 of the output and of the block's update (out - x) against ``exact``;
+   On CUDA also core's block and the fused block with the ``int8_sage`` override, the fused block both with core's
+   attention call (its default) and with its producer route (``fused_fp8_int8_sage_producer``:
+   ``kernels.fused.SETTINGS["sage_route"]`` on). Reports ms/block (median of REPS), the torch-profiler categories (GEMM, attention, the
+   harness's own input copy ``memcpy``, everything else = non-GEMM non-attention ms/block), relative L2 of the output and of the block's update (out - x) against ``exact``;
    with FP8_ATTN=1 (default) and the frontend importable also the fused block with ``cudnn_fp8`` attention.
 3. ``attention``: ``cudnn_fp8`` (through its override: amax + casts + kernel + dequantize; and the e4m3 output
    alone) vs cuDNN bf16 SDPA at ROWS, 56x128 heads, H3-like q/k/v (``_common.h3_qkv``); per-head cosine (min) and
@@ -329,8 +335,109 @@ def kernels_part():
                        kitchen_rel_l2_vs_ref=rel(a[sample], ref))
             return out
 
+        def k_sage_chain():
+            """qkv GEMM output -> out_proj's e4m3 input with int8_sage attention: unfused (qk_norm_rope + v copy,
+            the backend's Q pre-kernel, K/V statistics and quantization, kernel, bf16 output, quant_rows) vs fused
+            (qk_norm_rope_sage, K/V quantization from its sums, kernel with Q_ROW and e4m3 output)."""
+            import comfy.ldm.minimax.model as mm_h3
+
+            from h3_turbo.kernels.attention import int8_kernels as K
+            from h3_turbo.kernels.attention.reference import accuracy, reference_attention
+
+            inner = HEADS * HD
+            qkv0 = mk(s, 3 * inner, 3.0)
+            ang = torch.randn(s, 96, device=DEV, generator=g) * 20.0
+            table = mm_h3.rope_rotation_table(torch.cat((ang[:, :48], ang[:, :48]), 1), BF16)
+            qw = (1.0 + 0.2 * torch.randn(HD, device=DEV, generator=g)).to(BF16)
+            kw = (1.0 + 0.2 * torch.randn(HD, device=DEV, generator=g)).to(BF16)
+            tuned = K.tuned_config(DEV, s)
+            if DRY:
+                tuned = dict(tuned, BLOCK_M=64, BLOCK_N=64)
+            b0, b1 = qkv0.clone(), qkv0.clone()
+            view = lambda t: t.view(s, HEADS, HD).transpose(0, 1).unsqueeze(0)      # noqa: E731
+
+            def unfused_prep():
+                v = fk.qk_norm_rope(b0, HEADS, HD, table, qw, kw, 1e-6)
+                q8 = K.quantize_q(view(b0[:, :inner]), HD ** -0.5 * K.LOG2E, tuned)
+                kv = K.quantize_kv(view(b0[:, inner:2 * inner]), v.transpose(0, 1).unsqueeze(0), tuned)
+                return q8, kv
+
+            def fused_prep():
+                p = fk.qk_norm_rope_sage(b1, HEADS, HD, table, qw, kw, 1e-6)
+                c = dict(tuned, QPRE=True, Q_ROW=True)
+                return K.quantize_kv(view(b1[:, inner:2 * inner]), view(b1[:, 2 * inner:]), c,
+                                     stats=K.stats_from_sums(p["ksum"], p["vamax"], s))
+
+            def unfused_chain():
+                v = fk.qk_norm_rope(b0, HEADS, HD, table, qw, kw, 1e-6)
+                o = K.sage_attention(view(b0[:, :inner]), view(b0[:, inner:2 * inner]), v.transpose(0, 1).unsqueeze(0),
+                                     out_layout="blhd", config=tuned)
+                return tk.quant_rows_fp8(o[0])
+
+            def fused_chain():
+                p = fk.qk_norm_rope_sage(b1, HEADS, HD, table, qw, kw, 1e-6)
+                return K.sage_attention_prequantized(p["q8"], p["qs"], view(b1[:, inner:2 * inner]),
+                                                     view(b1[:, 2 * inner:]), p["ksum"], p["vamax"], config=tuned,
+                                                     out_fp8=True)
+
+            out = {"config": {k: v for k, v in tuned.items()}}
+            out["ms_prep_unfused"] = bench(unfused_prep)
+            out["ms_prep_fused"] = bench(fused_prep)
+            out["ms_chain_unfused"] = bench(unfused_chain)
+            out["ms_chain_fused"] = bench(fused_chain)
+            out["chain_speedup"] = out["ms_chain_unfused"] / out["ms_chain_fused"]
+            before = dict(fk.SETTINGS)
+            for rows_, warps, vrows, st in (((8, 4, 8, "torch"), (16, 4, 16, "torch"), (32, 4, 32, "torch"),
+                                             (32, 4, 32, "kernel"), (16, 4, 16, "kernel"))
+                                            if CUDA else ((8, 4, 8, "torch"),)):
+                fk.SETTINGS.update(rope_rows=rows_, rope_warps=warps, rope_v_rows=vrows, sage_stats=st)
+                try:
+                    tag = f"rows{rows_}_warps{warps}_v{vrows}_{st}"
+                    out[f"ms_chain_fused_{tag}"] = bench(fused_chain)
+                    out[f"ms_prep_fused_{tag}"] = bench(fused_prep)
+                    out[f"ms_qk_norm_rope_sage_{tag}"] = bench(lambda: fk.qk_norm_rope_sage(b1, HEADS, HD, table, qw,
+                                                                                            kw, 1e-6))
+                    if st == "torch":
+                        fk.SETTINGS["sage_stats"] = "torch"
+                        b2 = qkv0.clone()
+                        out[f"ms_qk_launch_only_{tag}"] = bench(lambda: fk._qk_rope_launch(
+                            b2, HEADS, HD, table, qw, kw, 1e-6, b2, (torch.empty(s, HEADS, HD, device=DEV, dtype=torch.int8),
+                                                                     torch.empty(HEADS, s, device=DEV), b2, b2)))
+                finally:
+                    fk.SETTINGS.update(before)
+            out["ms_qk_norm_rope_sage"] = bench(lambda: fk.qk_norm_rope_sage(b1, HEADS, HD, table, qw, kw, 1e-6))
+            out["ms_qk_norm_rope"] = bench(lambda: fk.qk_norm_rope(b0, HEADS, HD, table, qw, kw, 1e-6))
+            # the kernel alone, per-block vs per-row Q scales (the backend's pre-kernels in both)
+            rot = qkv0.clone()
+            vv = fk.qk_norm_rope(rot, HEADS, HD, table, qw, kw, 1e-6).transpose(0, 1).unsqueeze(0)
+            qq, kk = view(rot[:, :inner]), view(rot[:, inner:2 * inner])
+            out["ms_sage_tuned"] = bench(lambda: K.sage_attention(qq, kk, vv, out_layout="blhd", config=tuned))
+            qrow = dict(tuned, QPRE=True, Q_ROW=True)
+            out["ms_sage_tuned_q_row"] = bench(lambda: K.sage_attention(qq, kk, vv, out_layout="blhd", config=qrow))
+            # accuracy on sampled query rows against float32 attention
+            rows_s = torch.linspace(0, s - 1, min(512, s), device=DEV).long()
+            ref = reference_attention(qq, kk, vv, rows=rows_s, dtype=torch.float32)      # [H, r, D]
+            b0.copy_(qkv0)
+            u8, su = unfused_chain()
+            b1.copy_(qkv0)
+            f8, sf = fused_chain()
+
+            def as_heads(t):
+                return t[rows_s].view(-1, HEADS, HD).transpose(0, 1).float()
+
+            o_plain = K.sage_attention(qq, kk, vv, out_layout="blhd", config=tuned)[0]
+            o_row = K.sage_attention(qq, kk, vv, out_layout="blhd", config=qrow)[0]
+            out["acc_unfused_chain"] = accuracy(as_heads(u8.float() * su), ref)
+            out["acc_fused_chain"] = accuracy(as_heads(f8.float() * sf), ref)
+            out["acc_sage_tuned_bf16"] = accuracy(as_heads(o_plain), ref)
+            out["acc_sage_q_row_bf16"] = accuracy(as_heads(o_row), ref)
+            out["rel_fused_vs_unfused_chain"] = rel(f8.float() * sf, u8.float() * su)
+            out["k_bit_identical"] = bool(torch.equal(b0[:, inner:2 * inner], b1[:, inner:2 * inner]))
+            return out
+
         for name, fn in (("norm_mod", k_norm_mod), ("res_norm_mod", k_res_norm_mod), ("swiglu", k_swiglu),
-                         ("gate_residual", k_gate_res), ("quant_attn_out", k_quant_out), ("qk_norm_rope", k_qk_rope)):
+                         ("gate_residual", k_gate_res), ("quant_attn_out", k_quant_out), ("qk_norm_rope", k_qk_rope),
+                         ("sage_chain", k_sage_chain)):
             step("kernels", f"{name}@{s}", fn)
         del x, o
 
@@ -427,6 +534,8 @@ GEMM_KEYS = ("gemm", "nvjet", "xmma", "cutlass", "cublas", "wgmma", "gemv", "mat
 
 def kernel_category(name: str) -> str:
     n = name.lower()
+    if n.startswith("memcpy dtod"):      # the benchmark's own x0.clone() per call (the fused block issues none)
+        return "memcpy"
     if any(k in n for k in ATTN_KEYS):
         return "attention"
     if any(k in n for k in GEMM_KEYS):
@@ -445,7 +554,7 @@ def profile_categories(fn) -> dict:
     with profile(activities=acts) as prof:
         fn()
         sync()
-    cats = {"gemm": 0.0, "attention": 0.0, "other": 0.0}
+    cats = {"gemm": 0.0, "attention": 0.0, "other": 0.0, "memcpy": 0.0}
     per: dict = {}
     for e in prof.events():
         dt = getattr(e, "device_type", None)
@@ -466,7 +575,7 @@ def block_part():
     import comfy.ldm.minimax.model as mm_h3  # noqa: F401
 
     from h3_turbo.kernels import fused as fk
-    from h3_turbo.kernels.attention import cudnn_fp8, exact
+    from h3_turbo.kernels.attention import cudnn_fp8, exact, int8_sage
     from h3_turbo.runtime import fused_block as fb
 
     blk = make_block()
@@ -509,6 +618,21 @@ def block_part():
                 set_path(blk, "fp8")
                 out = {}
                 runs = [("unfused_fp8", lambda: core_run(to_exact)), ("fused_fp8", lambda: fused_run(to_exact))]
+                if CUDA:     # int8_sage: core's block; the fused block with core's attention call (the default) and
+                    # with the producer route (kernels.fused.SETTINGS["sage_route"], off by default)
+                    i8 = int8_sage.int8_override()
+                    to8 = {"optimized_attention_override": i8}
+
+                    def producer_route():
+                        fk.SETTINGS["sage_route"] = True
+                        try:
+                            return fused_run(to8)
+                        finally:
+                            fk.SETTINGS["sage_route"] = False
+
+                    runs += [("unfused_fp8_int8_sage", lambda: core_run(to8)),
+                             ("fused_fp8_int8_sage", lambda: fused_run(to8)),
+                             ("fused_fp8_int8_sage_producer", producer_route)]
                 if FP8_ATTN and cudnn_fp8.frontend() is not None and CUDA:
                     c8 = cudnn_fp8.cudnn_fp8_override()
                     runs += [("unfused_fp8_cudnn_fp8", lambda: core_run({"optimized_attention_override": c8})),

@@ -23,6 +23,10 @@ already hold, instead of writing bf16 and quantizing it in a separate pass:
   with core's rotation table ``f[s, i] = [[cos, -sin], [sin, cos]]``, in fp32, one rounding; dims >= R pass
   through normed. The arithmetic of comfy-kitchen's ``rms_rope_split_half_`` (eager reference
   :func:`qk_norm_rope_ref`), replacing its kernel plus the copy of v.
+- :func:`qk_norm_rope_sage` (f): (e) producing the ``int8_sage`` backend's inputs instead of q in place and the v
+  copy: q as INT8 per (row, head) with ``max|q_row| / 127`` scales, k rotated in place with its column sums, v's
+  column max |v| (eager reference :func:`qk_norm_rope_sage_ref`); the fused block's producer route, off by default
+  (``SETTINGS["sage_route"]``; measured slower, docs/kernels.md).
 - :func:`fp8_gemm`: rowwise ``torch._scaled_mm`` on an already quantized input (the ``fp8`` path's GEMM without
   its quantization pass); :func:`fp8_gemm_ref` its fp32 emulation.
 
@@ -59,6 +63,12 @@ SETTINGS = {
     "swiglu_warps": 8,
     "rope_rows": 8,          # rows per qk_norm_rope program (it loops over the heads; H200: 8 < 16, 32)
     "rope_warps": 4,
+    # the fused block's int8_sage route (qk_norm_rope_sage + sage_attention_prequantized): off, measured slower on the
+    # H200 with "kernel" stats (docs/kernels.md, "int8_sage fused into the producer"); "torch" stats not yet timed
+    "sage_route": False,
+    "sage_stats": "kernel",  # qk_norm_rope_sage's k sums / v maxima: "kernel" (partials in the launch) or "torch"
+    "rope_v_rows": 8,        # rows per v program of qk_norm_rope_sage (its column max |v|; a multiple of rope_rows;
+                             # H200: 8 < 64 < 256, a longer loop per program is latency-bound)
     "gate_block": 2048,
     "gate_warps": 4,
 }
@@ -68,7 +78,7 @@ try:
     import triton
     import triton.language as tl
 
-    from .triton_interp import round_to as _round, to_e4m3 as _e4m3
+    from .triton_interp import round_i8 as _round_i8, round_to as _round, to_e4m3 as _e4m3
     _TRITON_ERROR = None
 except Exception as e:  # noqa: BLE001 - no Triton: the wrappers raise, the eager ops still work
     triton = None
@@ -199,12 +209,20 @@ if triton is not None:
         tl.store(x_ptr + row * stride_x + offs, _round(x + o * g, x_ptr.dtype.element_ty, INTERP), mask=m)
 
     @triton.jit
-    def _qk_rope_kernel(x_ptr, v_ptr, w_ptr, f_ptr, S, H, eps, stride_x, stride_fs, stride_fi, stride_fr, stride_fc,
-                        D: tl.constexpr, R2: tl.constexpr, BS: tl.constexpr, INTERP: tl.constexpr):
+    def _qk_rope_kernel(x_ptr, v_ptr, w_ptr, f_ptr, q8_ptr, qs_ptr, ks_ptr, va_ptr, S, H, eps, stride_x, stride_fs,
+                        stride_fi, stride_fr, stride_fc,
+                        D: tl.constexpr, R2: tl.constexpr, BS: tl.constexpr, SAGE: tl.constexpr,
+                        VR: tl.constexpr, STATS: tl.constexpr, INTERP: tl.constexpr):
         """Rows [BS * pid0, +BS); pid1 = 0 / 1: every q / k head normed (weights w_ptr [2, D]: q's, k's) and rotated in
         place; pid1 = 2: every v head copied to v_ptr [S, H, D]. Column c of a head is combined with its partner
         p(c) = c + R2 (c < R2), c - R2 (R2 <= c < 2 R2), c (pass-through): out_c = A_c n_c + B_c n_p(c) with
-        (A, B) = (f00, f01), (f11, f10), (1, 0); the table's A / B rows are read once for all H heads."""
+        (A, B) = (f00, f01), (f11, f10), (1, 0); the table's A / B rows are read once for all H heads.
+        SAGE (int8_sage's inputs instead): q -> int8 per (row, head) into q8_ptr [S, H, D] with max|row| / 127 into
+        qs_ptr [H, S] (q is not written back); k rotated in place as above and its per-program column sums (of the
+        rounded values) into ks_ptr [programs, H * D]; v not copied: the first cdiv(S, BS * VR) v programs take
+        BS * VR rows each and write their column max |v| (in x's dtype: a max is exact) into va_ptr
+        [cdiv(S, BS * VR), H * D] (no atomics: the result does not depend on the order). Without STATS neither the
+        k sums nor the v maxima are taken (the caller reduces k and v itself)."""
         part = tl.program_id(1)
         rows = tl.program_id(0) * BS + tl.arange(0, BS)
         rm = rows < S
@@ -213,9 +231,21 @@ if triton is not None:
         dt = x_ptr.dtype.element_ty
         row_base = x_ptr + r64[:, None] * stride_x
         if part == 2:
-            for h in range(0, H):
-                t = tl.load(row_base + (2 * H + h) * D + cols[None, :], mask=rm[:, None], other=0.0)
-                tl.store(v_ptr + r64[:, None] * (H * D) + h * D + cols[None, :], t, mask=rm[:, None])
+            if SAGE:
+                pv = tl.program_id(0) if STATS else S
+                if pv * (BS * VR) < S:
+                    for h in range(0, H):
+                        acc = tl.zeros([D], dtype=tl.float32)
+                        for j in range(0, VR):
+                            rr = (pv * VR + j) * BS + tl.arange(0, BS)
+                            t = tl.load(x_ptr + rr.to(tl.int64)[:, None] * stride_x + (2 * H + h) * D + cols[None, :],
+                                        mask=(rr < S)[:, None], other=0.0)
+                            acc = tl.maximum(acc, tl.max(tl.abs(t.to(tl.float32)), axis=0))
+                        tl.store(va_ptr + pv.to(tl.int64) * (H * D) + h * D + cols, acc.to(dt))   # exact: a max
+            else:
+                for h in range(0, H):
+                    t = tl.load(row_base + (2 * H + h) * D + cols[None, :], mask=rm[:, None], other=0.0)
+                    tl.store(v_ptr + r64[:, None] * (H * D) + h * D + cols[None, :], t, mask=rm[:, None])
         else:
             lo = cols < R2
             rot = cols < 2 * R2
@@ -236,7 +266,21 @@ if triton is not None:
                 inv = 1.0 / tl.sqrt(tl.sum(x * x, axis=1) / D + eps)
                 n = _round(x * inv[:, None] * w[None, :], dt, INTERP).to(tl.float32)
                 npart = _round(xp * inv[:, None] * wp[None, :], dt, INTERP).to(tl.float32)
-                tl.store(base + cols[None, :], _round(ca * n + cb * npart, dt, INTERP), mask=rm[:, None])
+                y = _round(ca * n + cb * npart, dt, INTERP)
+                if SAGE:
+                    if part == 0:
+                        yf = y.to(tl.float32)
+                        a = tl.max(tl.abs(yf), axis=1)
+                        q8 = _round_i8(yf * tl.where(a > 0, 127.0 / tl.where(a > 0, a, 1.0), 0.0)[:, None], 127.0)
+                        tl.store(q8_ptr + r64[:, None] * (H * D) + h * D + cols[None, :], q8, mask=rm[:, None])
+                        tl.store(qs_ptr + h * S + r64, a / 127.0, mask=rm)
+                    else:
+                        tl.store(base + cols[None, :], y, mask=rm[:, None])
+                        if STATS:
+                            tl.store(ks_ptr + tl.program_id(0).to(tl.int64) * (H * D) + h * D + cols,
+                                     tl.sum(y.to(tl.float32), axis=0))
+                else:
+                    tl.store(base + cols[None, :], y, mask=rm[:, None])
 
 
 def _need_triton(where: str, *ts: torch.Tensor) -> None:
@@ -387,6 +431,15 @@ def qk_norm_rope(qkv: torch.Tensor, heads: int, head_dim: int, freqs: torch.Tens
     [S, heads, head_dim] contiguous (core's ``v.clone()``); the q and k columns of qkv are overwritten. Formula:
     module docstring; eager reference :func:`qk_norm_rope_ref`. ValueError naming the argument on bad input."""
     where = "fused.qk_norm_rope"
+    _qk_rope_checks(where, qkv, heads, head_dim, freqs, q_weight, k_weight, eps)
+    s = qkv.shape[0]
+    v = torch.empty((s, heads, head_dim), device=qkv.device, dtype=qkv.dtype)
+    if s:
+        _qk_rope_launch(qkv, heads, head_dim, freqs, q_weight, k_weight, eps, v, None)
+    return v
+
+
+def _qk_rope_checks(where, qkv, heads, head_dim, freqs, q_weight, k_weight, eps) -> None:
     _need_triton(where, qkv)
     _check_act(where, "qkv", qkv)
     s, width = qkv.shape
@@ -404,15 +457,55 @@ def qk_norm_rope(qkv: torch.Tensor, heads: int, head_dim: int, freqs: torch.Tens
             raise ValueError(f"{where}: {name} must be [{head_dim}] on {qkv.device}, got {tuple(w.shape)} on {w.device}")
     if not isinstance(eps, (int, float)) or not math.isfinite(eps) or eps < 0:
         raise ValueError(f"{where}: eps {eps!r}, expected a finite number >= 0")
-    r2 = int(freqs.shape[3])
-    v = torch.empty((s, heads, head_dim), device=qkv.device, dtype=qkv.dtype)
-    if s:
-        bs = int(SETTINGS["rope_rows"])
-        _qk_rope_kernel[(triton.cdiv(s, bs), 3)](
-            qkv, v, torch.cat((q_weight.reshape(-1), k_weight.reshape(-1))), freqs, s, heads, float(eps), qkv.stride(0),
-            freqs.stride(1), freqs.stride(3), freqs.stride(4), freqs.stride(5), D=head_dim, R2=r2, BS=bs,
-            INTERP=INTERPRET, num_warps=4 if INTERPRET else SETTINGS["rope_warps"])
-    return v
+
+
+def _qk_rope_launch(qkv, heads, head_dim, freqs, q_weight, k_weight, eps, v, sage) -> None:
+    s = qkv.shape[0]
+    bs = int(SETTINGS["rope_rows"])
+    q8, qs, ks, va = sage if sage is not None else (v, v, v, v)
+    _qk_rope_kernel[(triton.cdiv(s, bs), 3)](
+        qkv, v, torch.cat((q_weight.reshape(-1), k_weight.reshape(-1))), freqs, q8, qs, ks, va, s, heads, float(eps),
+        qkv.stride(0), freqs.stride(1), freqs.stride(3), freqs.stride(4), freqs.stride(5), D=head_dim,
+        R2=int(freqs.shape[3]), BS=bs, SAGE=sage is not None, VR=max(1, int(SETTINGS["rope_v_rows"]) // bs),
+        STATS=SETTINGS["sage_stats"] == "kernel", INTERP=INTERPRET,
+        num_warps=4 if INTERPRET else SETTINGS["rope_warps"])
+
+
+def qk_norm_rope_sage(qkv: torch.Tensor, heads: int, head_dim: int, freqs: torch.Tensor, q_weight: torch.Tensor,
+                      k_weight: torch.Tensor, eps: float) -> dict:
+    """:func:`qk_norm_rope` producing the ``int8_sage`` attention's inputs in the same launch (kernel (f)): q is
+    quantized to INT8 per (row, head) straight from its rounded rotated values (SageAttention's per-token Q
+    quantization, ``q8 = round_half_away(q * 127 / max|q_row|)``), k is rotated in place and its column sums taken,
+    v is read once for its column max |v| (no copy). Arguments as :func:`qk_norm_rope`. Returns ``{"q8": int8
+    [S, heads, head_dim], "qs": float32 [heads, S] (max|q_row| / 127), "ksum": float32 [heads, head_dim] (sum of
+    the rotated k over the S rows), "vamax": float32 [heads, head_dim]}`` (the arguments of
+    :func:`.attention.int8_kernels.sage_attention_prequantized`); qkv's q columns keep their input values.
+    Eager reference :func:`qk_norm_rope_sage_ref`. ValueError naming the argument on bad input."""
+    where = "fused.qk_norm_rope_sage"
+    _qk_rope_checks(where, qkv, heads, head_dim, freqs, q_weight, k_weight, eps)
+    s, dev = qkv.shape[0], qkv.device
+    q8 = torch.empty((s, heads, head_dim), device=dev, dtype=torch.int8)
+    qs = torch.empty((heads, s), device=dev, dtype=torch.float32)
+    bs = int(SETTINGS["rope_rows"])
+    vrows = bs * max(1, int(SETTINGS["rope_v_rows"]) // bs)
+    stats = SETTINGS["sage_stats"]
+    if stats not in ("kernel", "torch"):
+        raise ValueError(f"{where}: SETTINGS['sage_stats'] = {stats!r}, expected 'kernel' or 'torch'")
+    inner = heads * head_dim
+    if s and stats == "kernel":
+        parts = torch.empty((triton.cdiv(s, bs), heads, head_dim), device=dev, dtype=torch.float32)
+        vparts = torch.empty((triton.cdiv(s, vrows), heads, head_dim), device=dev, dtype=qkv.dtype)
+        _qk_rope_launch(qkv, heads, head_dim, freqs, q_weight, k_weight, eps, qkv, (q8, qs, parts, vparts))
+        ksum, vamax = parts.sum(dim=0), vparts.amax(dim=0).float()
+    elif s:     # the launch writes q8 / qs and k; k's column sums and v's column extrema by torch reductions
+        _qk_rope_launch(qkv, heads, head_dim, freqs, q_weight, k_weight, eps, qkv, (q8, qs, q8, q8))
+        ksum = qkv[:, inner:2 * inner].view(s, heads, head_dim).sum(dim=0, dtype=torch.float32)
+        vmin, vmax = torch.aminmax(qkv[:, 2 * inner:].view(s, heads, head_dim), dim=0)
+        vamax = torch.maximum(vmax.float(), -vmin.float())
+    else:
+        ksum = torch.zeros((heads, head_dim), device=dev, dtype=torch.float32)
+        vamax = torch.zeros((heads, head_dim), device=dev, dtype=torch.float32)
+    return {"q8": q8, "qs": qs, "ksum": ksum, "vamax": vamax}
 
 
 # --------------------------------------------------------------------------- GEMM on a quantized input
@@ -484,6 +577,24 @@ def qk_norm_rope_ref(qkv: torch.Tensor, heads: int, head_dim: int, freqs: torch.
     return out
 
 
+def qk_norm_rope_sage_ref(qkv: torch.Tensor, heads: int, head_dim: int, freqs: torch.Tensor, q_weight: torch.Tensor,
+                          k_weight: torch.Tensor, eps: float, dtype=torch.float64) -> dict:
+    """Eager reference of :func:`qk_norm_rope_sage` (never modifies qkv): :func:`qk_norm_rope_ref`'s rotated q / k
+    (rounded to qkv's dtype), then q quantized per (row, head) with the kernel's float32 formula; returns the
+    kernel's dict (``q8`` as int8, sums / maxima in ``dtype``) plus ``new`` (the rotated [S, 3 * inner] tensor)."""
+    s = qkv.shape[0]
+    inner = heads * head_dim
+    new = qk_norm_rope_ref(qkv, heads, head_dim, freqs, q_weight, k_weight, eps, dtype=dtype)
+    q = new[:, :inner].reshape(s, heads, head_dim).float()
+    a = q.abs().amax(dim=-1, keepdim=True)
+    x = (q * torch.where(a > 0, 127.0 / a, torch.zeros_like(a))).clamp(-127.0, 127.0)
+    q8 = torch.trunc(x + torch.where(x >= 0, 0.5, -0.5)).to(torch.int8)
+    k = new[:, inner:2 * inner].reshape(s, heads, head_dim).to(dtype)
+    v = qkv[:, 2 * inner:].reshape(s, heads, head_dim).to(dtype)
+    return {"q8": q8, "qs": (a[..., 0] / 127.0).t().contiguous(), "ksum": k.sum(dim=0),
+            "vamax": v.abs().amax(dim=0), "new": new}
+
+
 def gate_residual_ref(x, other, gate, rows) -> torch.Tensor:
     """Core's per-row arithmetic: ``torch.addcmul(x, other, gate[rows].to(x.dtype))`` (a new tensor)."""
     return torch.addcmul(x, other, gate[rows.long().to(x.device)].to(x.dtype))
@@ -537,6 +648,7 @@ class TritonOps:
     gate_residual_ = staticmethod(gate_residual_)
     quant_rows = staticmethod(quant_rows)
     qk_norm_rope = staticmethod(qk_norm_rope)
+    qk_norm_rope_sage = staticmethod(qk_norm_rope_sage)
     gemm = staticmethod(fp8_gemm)
 
 

@@ -54,3 +54,11 @@ def to_e4m3(v, dt: tl.constexpr, INTERP: tl.constexpr):
     if INTERP:
         v = rne_e4m3(v)
     return v.to(dt)
+
+
+@triton.jit
+def round_i8(x, LIM: tl.constexpr):
+    """fp32 -> int8, rounded half away from zero, clamped to [-LIM, LIM] (the SageAttention INT8 rounding; the
+    float -> int conversion truncates toward zero on the GPU and under the interpreter alike)."""
+    x = tl.minimum(tl.maximum(x, -LIM), LIM)
+    return (x + tl.where(x >= 0, 0.5, -0.5)).to(tl.int8)

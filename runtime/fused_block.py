@@ -32,6 +32,11 @@ offering its fused operands: then the adapter is folded into the layer's e4m3 we
 ``fp8_slot`` route) and the pre-quantized input is used (the branch sees the block's unsmoothed activation: the
 producer's input is what core would hand the layer).
 
+With ``kernels.fused.SETTINGS["sage_route"]`` on (default off: measured slower on the H200, docs/kernels.md) and the
+MODEL's attention override the pack's ``int8_sage``, the RMSNorm + RoPE launch also quantizes Q per row and takes the
+K/V statistics (``qk_norm_rope_sage``), the backend's kernel runs here (``sage_attention_prequantized``) and writes
+out_proj's e4m3 input (:func:`_sage_route`).
+
 The block's structure is checked once per block at install (:func:`structure_problem`): a mismatch is a
 RuntimeError naming the ComfyUI version and the hook. ComfyUI is imported lazily.
 """
@@ -330,6 +335,65 @@ def _project(m, plan, x8s, bf16_input: Callable[[], torch.Tensor], probe, ops, r
     return ops.gemm(x8, sx, w8, sw, m.out_features, probe.dtype)
 
 
+#: device type -> why the fused int8_sage route failed in this process (then the override runs unfused)
+_SAGE_OFF: dict[str, str] = {}
+
+
+def _int8_kernels():
+    from ..kernels.attention import int8_kernels
+
+    return int8_kernels
+
+
+def _dequantized(x8, sx, dtype):
+    """bf16 input for a projection whose Turbo branch cannot take the e4m3 attention output (logged once)."""
+    log_once(("fused_sage_dequant",), "H3 Turbo fused block: out_proj takes a bf16 input this call -> the int8_sage "
+             "output is dequantized from e4m3 for it")
+    return (x8.float() * sx).to(dtype)
+
+
+def _sage_route(transformer_options, x, head_dim: int, ops):
+    """(override, config) when ``kernels.fused.SETTINGS["sage_route"]`` is on (default off: measured slower, see
+    docs/kernels.md), the MODEL's attention override is the pack's ``int8_sage`` and its kernel can take this block's
+    call fused (:func:`kernels.fused.qk_norm_rope_sage` + ``sage_attention_prequantized``); else None (core's
+    attention call with that override), the reason logged once."""
+    ov = transformer_options.get("optimized_attention_override")
+    if ov is None or getattr(ov, "backend", None) != "int8_sage" or not fk.SETTINGS["sage_route"]:
+        return None
+    from ..kernels.attention import int8_sage
+
+    if not isinstance(ov, int8_sage.Int8SageAttention):
+        return None
+    K = _int8_kernels()
+    why = None
+    if not hasattr(ops, "qk_norm_rope_sage"):
+        why = f"the {getattr(ops, 'name', type(ops).__name__)} ops have no qk_norm_rope_sage"
+    elif x.device.type in _SAGE_OFF:
+        why = f"the fused route failed earlier in this process ({_SAGE_OFF[x.device.type]})"
+    elif K.triton is None:
+        why = f"triton unavailable ({K._TRITON_ERROR})"
+    elif x.device.type not in ov.devices:
+        why = f"the override does not run on {x.device.type}"
+    elif head_dim not in K.SUPPORTED_HEAD_DIMS or x.dtype not in K.SUPPORTED_DTYPES:
+        why = f"head dim {head_dim} / dtype {x.dtype}"
+    if why is None:
+        c = dict(ov.config) if ov.config is not None else K.tuned_config(x.device, x.shape[0])
+        if c["V_MEAN"] or not c["PV_FP8"]:
+            why = "its configuration has V_MEAN on or PV_FP8 off"
+        else:
+            no_fp8 = int8_sage._no_fp8_reason(x.device) if x.device.type == "cuda" else None
+            if no_fp8 is not None:
+                why = no_fp8
+    if why is not None:
+        log_once(("fused_sage", why), "H3 Turbo fused block: int8_sage attention not fused into the block (%s) -> "
+                 "core's attention call with the int8_sage override", why)
+        return None
+    log_once(("fused_sage_on", x.device.type), "H3 Turbo fused block: int8_sage attention fused into the block (Q "
+             "quantized per row and head by the RMSNorm + RoPE launch, K/V statistics from it, e4m3 output for "
+             "out_proj)")
+    return ov, c
+
+
 def _attention_wrapper(attn) -> Callable:
     """How core's ``Attention.forward`` hands q / k / v to ``optimized_attention``: wrapped in
     ``AttentionTensorContainer`` (ComfyUI versions whose forward names it, e.g. 0.33) or as plain tensors."""
@@ -363,20 +427,50 @@ def fused_forward(block, x, t_emb, mod_segments, rope_freqs, transformer_options
     inner = heads * dh
     qw = mm.cast_to(at.q_norm.weight, device=x.device)
     kw = mm.cast_to(at.k_norm.weight, device=x.device)
-    # core's rms_rope_split_half_ on the q / k columns and v.clone(), in one launch
-    v = ops.qk_norm_rope(qkv, heads, dh, rope_freqs, qw, kw, _eps(at.q_norm, x))
-    q = qkv[:, :inner].view(s, heads, dh)
-    k = qkv[:, inner:2 * inner].view(s, heads, dh)
-    wrap = _attention_wrapper(at)
-    qc = wrap(q.transpose(0, 1).unsqueeze(0))
-    kc = wrap(k.transpose(0, 1).unsqueeze(0))
-    vc = wrap(v.transpose(0, 1).unsqueeze(0))
-    del q, k, v
-    out = optimized_attention(qc, kc, vc, heads, mask=None, skip_reshape=True,
-                              transformer_options=transformer_options).squeeze(0)
-    del qkv
-    y = _project(at.out_proj, plans["attn.out_proj"], lambda: ops.quant_rows(out), lambda: out, x, ops, routes)
-    del out
+    sage = _sage_route(transformer_options, x, dh, ops)
+    if sage is not None:
+        # int8_sage: its Q quantization and K/V statistics come out of the RMSNorm + RoPE launch, its kernel runs
+        # here and writes e4m3 for an fp8 out_proj (a failure disables this route, logged once, and reruns the block:
+        # x is not modified before the fc1 producer)
+        override, cfg = sage
+        try:
+            prep = ops.qk_norm_rope_sage(qkv, heads, dh, rope_freqs, qw, kw, _eps(at.q_norm, x))
+            k4 = qkv[:, inner:2 * inner].view(s, heads, dh).transpose(0, 1).unsqueeze(0)
+            v4 = qkv[:, 2 * inner:].view(s, heads, dh).transpose(0, 1).unsqueeze(0)
+            fp8_out = plans["attn.out_proj"][0] != "module"
+            res = _int8_kernels().sage_attention_prequantized(prep["q8"], prep["qs"], k4, v4, prep["ksum"],
+                                                              prep["vamax"], config=cfg, out_fp8=fp8_out)
+        except Exception as e:  # noqa: BLE001 - e.g. a Triton build failure on this GPU
+            why = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
+            _SAGE_OFF[x.device.type] = why
+            log_once(("fused_sage_failed", why), "H3 Turbo fused block: the fused int8_sage route failed (%s) -> "
+                     "this process runs qk_norm_rope + the int8_sage override instead", why, level=logging.WARNING)
+            return fused_forward(block, x, t_emb, mod_segments, rope_freqs, transformer_options, plans, ops, routes)
+        override.calls += 1
+        routes["sage"] = routes.get("sage", 0) + 1
+        del qkv, prep, k4, v4
+        if fp8_out:
+            o8, so = res
+            y = _project(at.out_proj, plans["attn.out_proj"], lambda: (o8, so),
+                         lambda: _dequantized(o8, so, x.dtype), x, ops, routes)
+        else:
+            y = _project(at.out_proj, plans["attn.out_proj"], None, lambda: res[0], x, ops, routes)
+        del res
+    else:
+        # core's rms_rope_split_half_ on the q / k columns and v.clone(), in one launch
+        v = ops.qk_norm_rope(qkv, heads, dh, rope_freqs, qw, kw, _eps(at.q_norm, x))
+        q = qkv[:, :inner].view(s, heads, dh)
+        k = qkv[:, inner:2 * inner].view(s, heads, dh)
+        wrap = _attention_wrapper(at)
+        qc = wrap(q.transpose(0, 1).unsqueeze(0))
+        kc = wrap(k.transpose(0, 1).unsqueeze(0))
+        vc = wrap(v.transpose(0, 1).unsqueeze(0))
+        del q, k, v
+        out = optimized_attention(qc, kc, vc, heads, mask=None, skip_reshape=True,
+                                  transformer_options=transformer_options).squeeze(0)
+        del qkv
+        y = _project(at.out_proj, plans["attn.out_proj"], lambda: ops.quant_rows(out), lambda: out, x, ops, routes)
+        del out
 
     # gated residual + norm2 + modulation -> fc1 (the residual update happens exactly once, in whichever producer runs)
     done = []

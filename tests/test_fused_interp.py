@@ -266,3 +266,143 @@ def test_qk_norm_rope_refuses_bad_inputs():
         fk.qk_norm_rope(qkv[:, :-1], 2, 64, table, qw, kw, 1e-6)
     with pytest.raises(ValueError, match="k_weight"):
         fk.qk_norm_rope(qkv, 2, 64, table, qw, kw[:32], 1e-6)
+
+
+@pytest.mark.parametrize("s,heads,d,r2,row_pad", [(37, 3, 128, 48, 0), (5, 2, 64, 32, 24), (1, 1, 128, 64, 0),
+                                                  (19, 2, 64, 5, 0), (0, 2, 64, 16, 0)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("stats,v_rows", [("kernel", 8), ("kernel", 32), ("torch", 8)])
+def test_qk_norm_rope_sage_is_qk_norm_rope_then_int8_sage_inputs(s, heads, d, r2, row_pad, dtype, stats, v_rows,
+                                                                  monkeypatch):
+    """kernel (f): k rotated in place bit for bit as qk_norm_rope, v and q columns untouched; q8 / qs = qk_norm_rope's
+    q quantized per (row, head) by the fp32 formula, bit for bit
+    (but at exact .5 ties); vamax exact; ksum = the float64 column sum of
+    the rotated k within fp32 summation error."""
+    qkv, table, qw, kw = _rope_inputs(max(s, 1), heads, d, r2, dtype, torch.bfloat16, seed=s + 3 * d,
+                                      row_pad=row_pad)
+    qkv, table = qkv[:s], table[:, :s]
+    rot = qkv.clone()
+    if s:
+        fk.qk_norm_rope(rot, heads, d, table, qw, kw, 1e-6)
+    x = qkv.clone()
+    monkeypatch.setitem(fk.SETTINGS, "sage_stats", stats)
+    monkeypatch.setitem(fk.SETTINGS, "rope_v_rows", v_rows)
+    got = fk.qk_norm_rope_sage(x, heads, d, table, qw, kw, 1e-6)
+    inner = heads * d
+    assert torch.equal(x[:, :inner], qkv[:, :inner]) and torch.equal(x[:, inner:], rot[:, inner:])
+    q = rot[:, :inner].reshape(s, heads, d).float()
+    a = q.abs().amax(dim=-1, keepdim=True) if s else torch.zeros(0, heads, 1)
+    t = (q * torch.where(a > 0, 127.0 / a, torch.zeros_like(a))).clamp(-127, 127)
+    q8 = torch.trunc(t + torch.where(t >= 0, 0.5, -0.5)).to(torch.int8)
+    # equal except at exact .5 ties (q = +-max/2 ...), where the fp32 reciprocal 127/max decides by one ulp
+    diff = (got["q8"].int() - q8.int()).abs()
+    tie = ((t.abs() - t.abs().floor()) - 0.5).abs() < 1e-5
+    assert got["q8"].shape == (s, heads, d) and int(diff.sum()) <= diff.numel() // 500 + 2 and bool((diff <= 1).all()) and not (diff.bool() & ~tie).any()
+    assert got["qs"].shape == (heads, s) and torch.equal(got["qs"], (a[..., 0] / 127.0).t())
+    k = rot[:, inner:2 * inner].reshape(s, heads, d).double()
+    v = qkv[:, 2 * inner:].reshape(s, heads, d)
+    assert torch.equal(got["vamax"], v.float().abs().amax(dim=0) if s else torch.zeros(heads, d))
+    assert bool(((got["ksum"].double() - k.sum(dim=0)).abs() <= 1e-6 * k.abs().sum(dim=0) + 1e-30).all())
+    if s:
+        ref = fk.qk_norm_rope_sage_ref(qkv, heads, d, table, qw, kw, 1e-6)
+        assert float((got["q8"].int() - ref["q8"].int()).abs().float().mean()) <= 2e-3   # float64-rounded q
+
+
+def _sage_block(comfy_ok):
+    """A small core DiTBlock (hidden 128, 2 heads x 64, ffn 192) with NVFP4 projections on the fp8 path, its
+    arguments, on the CPU."""
+    import math
+
+    import comfy.ldm.minimax.model as mm_h3
+
+    from h3_turbo.formats import nvfp4
+    from h3_turbo.runtime.ops import make_operations
+
+    hid, heads, hd, ffn, tdim, s = 128, 2, 64, 192, 64, 150
+    bf = torch.bfloat16
+    blk = mm_h3.DiTBlock(hid, heads, hd, ffn, tdim, 1e-5, 1e-5, dtype=bf, device="cpu",
+                         operations=make_operations("cpu", compute_dtype=bf))
+    g = torch.Generator().manual_seed(1)
+    sd = {}
+    meta = torch.tensor(list(b'{"format": "nvfp4"}'), dtype=torch.uint8)
+    quant = {"attn.qkv_proj": (3 * heads * hd, hid), "attn.out_proj": (hid, heads * hd),
+             "mlp.fc1": (2 * ffn, hid), "mlp.fc2": (hid, ffn)}
+    for name, (n, k) in quant.items():
+        w = (torch.randn(n, k, generator=g) / math.sqrt(k)).to(bf)
+        q, bs, sc = nvfp4.quantize(w)
+        sd.update({f"{name}.weight": q, f"{name}.weight_scale": bs, f"{name}.weight_scale_2": sc,
+                   f"{name}.comfy_quant": meta})
+    for name, n in (("norm1", hid), ("norm2", hid), ("attn.q_norm", hd), ("attn.k_norm", hd)):
+        sd[f"{name}.weight"] = (1.0 + 0.1 * torch.randn(n, generator=g)).to(bf)
+    sd["adaln_proj.linear.weight"] = (torch.randn(6 * 3 * hid, tdim, generator=g) * 0.02).to(bf)
+    sd["adaln_proj.linear.bias"] = (torch.randn(6 * 3 * hid, generator=g) * 0.1).to(bf)
+    blk.load_state_dict(sd, strict=False)
+    blk = blk.eval().requires_grad_(False)
+    ang = torch.randn(s, 24, generator=g) * 3.0
+    c, sn = torch.cos(ang), torch.sin(ang)
+    rope = torch.stack([c, -sn, sn, c], dim=-1).reshape(1, s, 1, 24, 2, 2).to(bf)
+    args = {"img": (torch.randn(s, hid, generator=g) * 2.0).to(bf), "t_emb": torch.randn(2, tdim, generator=g).to(bf),
+            "mod_segments": [(0, 100, 0), (100, s, 1)], "rope_freqs": rope}
+    return blk, args
+
+
+class _CpuTritonOps(fk.TritonOps):
+    """The Triton kernels (interpreted) with the fp8 GEMM emulated: the fused block's CUDA route on a CPU."""
+    name = "triton-cpu"
+    gemm = staticmethod(fk.fp8_gemm_ref)
+
+
+@pytest.mark.comfyui
+def test_fused_block_runs_int8_sage_fused_on_the_producer(comfy, monkeypatch):
+    """With the int8_sage override the fused block quantizes Q / takes K-V statistics in qk_norm_rope_sage, runs the
+    kernel itself and feeds its e4m3 output to out_proj: the block's update is as close to exact attention as the
+    unfused int8_sage route's (core's attention call with the override, per-block Q scales, bf16 output)."""
+    from h3_turbo.kernels.attention import exact, int8_sage
+    from h3_turbo.runtime import fused_block as fb
+
+    blk, args = _sage_block(comfy)
+    ov = int8_sage.BACKEND.cpu_override()
+    ov.config = {**ov.config, "BLOCK_M": 64, "BLOCK_N": 64} if ov.config else \
+        int8_sage._kernels()._cfg({"BLOCK_M": 64, "BLOCK_N": 64})
+
+    def run(ops, to, path="fp8"):
+        for name in ("attn.qkv_proj", "attn.out_proj", "mlp.fc1", "mlp.fc2"):
+            m = blk.get_submodule(name)
+            m._h3_path, m._h3_cache = path, None
+        patch = fb.FusedBlockPatch(blk, 0, ops=ops, devices=("cpu",))
+        a = dict(args, img=args["img"].clone(), transformer_options=to)
+        core = lambda a: {"img": blk(a["img"], a["t_emb"], a["mod_segments"], a["rope_freqs"],   # noqa: E731
+                                     transformer_options=a["transformer_options"])}
+        with torch.no_grad():
+            out = patch(a, {"original_block": core})["img"] if ops is not None else core(a)["img"]
+        return out, patch
+
+    ref, _ = run(None, {"optimized_attention_override": exact.cpu_exact()}, path="exact")
+    off, p0 = run(_CpuTritonOps(), {"optimized_attention_override": ov})       # the default: the route is off
+    assert p0.calls == 1 and "sage" not in p0.routes and ov.calls == 1
+    monkeypatch.setitem(fk.SETTINGS, "sage_route", True)
+    for st in ("torch", "kernel"):
+        monkeypatch.setitem(fk.SETTINGS, "sage_stats", st)
+        alt, _ = run(_CpuTritonOps(), {"optimized_attention_override": ov})
+        # both statistics variants: the same function (k sums in another order: an int8 K code may flip)
+        assert st == "torch" or float((alt.double() - ref_alt.double()).norm() / ref_alt.double().norm()) < 1e-3, st
+        ref_alt = alt
+    ov.calls = 1
+    fused, p1 = run(_CpuTritonOps(), {"optimized_attention_override": ov})
+    assert p1.calls == 1 and p1.routes.get("sage") == 1 and p1.routes.get("fp8") == 4 and ov.calls == 2
+    fb._SAGE_OFF["cpu"] = "test: route off"
+    try:
+        unfused, p2 = run(_CpuTritonOps(), {"optimized_attention_override": ov})
+    finally:
+        del fb._SAGE_OFF["cpu"]
+    assert "sage" not in p2.routes and ov.calls == 3          # the override ran through core's attention call
+    assert torch.equal(unfused, off)
+    x = args["img"].double()
+
+    def rel_update(y):
+        d = ref.double() - x
+        return float(((y.double() - x) - d).norm() / d.norm())
+
+    r_f, r_u = rel_update(fused), rel_update(unfused)
+    assert torch.isfinite(fused).all() and 1e-3 < r_u < 0.2 and r_f <= 1.25 * r_u, (r_f, r_u)
+    assert float((fused.double() - unfused.double()).norm() / (unfused.double() - x).norm()) < 0.1

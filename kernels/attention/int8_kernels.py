@@ -4,8 +4,9 @@ Smoothing and Per-thread INT4 Quantization", arXiv:2411.10958; per-block INT8 Q/
 FP8 P V with per-channel V scales). The core override that uses them: :mod:`.int8_sage`.
 
 Entry points: :func:`sage_attention` (q [B, H, Lq, D], k/v [B, H, Lk, D], bf16/fp16, D in 64/128, any
-strides -> q's dtype, layout ``bhld`` or core's ``blhd``); the pre-kernels :func:`quantize_kv` /
-:func:`quantize_q`; the torch models :func:`quantize_reference` / :func:`sage_reference` (the same math in
+strides -> q's dtype, layout ``bhld`` or core's ``blhd``); :func:`sage_attention_prequantized` (one sequence
+whose Q its producer already quantized per row and whose K/V statistics it summed; optional e4m3 output for an
+fp8 out_proj); the pre-kernels :func:`quantize_kv` / :func:`quantize_q`; the torch models :func:`quantize_reference` / :func:`sage_reference` (the same math in
 float32/float64, for tests). Bad inputs or configs raise ValueError naming them; without Triton the kernels
 raise :class:`h3_turbo.errors.NoCapablePathError`. A new variant is a config key (:data:`DEFAULT_CONFIG`,
 checked by :func:`_cfg`) plus its branch in the kernels and in :func:`sage_reference`.
@@ -41,7 +42,8 @@ v's channel mean before the fp8 rounding (pays only for large channel offsets). 
 every that many keys). ``TMA``: K/V tiles through tensor descriptors (bulk tensor copies) instead of
 per-thread ``cp.async``. ``QPRE``: Q is quantized by its own pre-kernel (:func:`quantize_q`, the same
 float32 ops) into an int8 [B*H, L_pad, D] copy that the tensor cores read from shared memory.
-``ROWSUM_MMA``: the softmax row sum is taken on the tensor cores as ``e4m3(p) @ ones`` (a fresh
+``Q_ROW`` (needs ``QPRE``): one Q scale per row (``max|q_row| / 127``) instead of per BLOCK_M block; the
+score scale is then a per-row vector. ``ROWSUM_MMA``: the softmax row sum is taken on the tensor cores as ``e4m3(p) @ ones`` (a fresh
 accumulator per key block, added to a float32 running sum), i.e. ``l`` sums the same rounded P that
 multiplies V (needs ``PV_FP8``). ``MAXNREG``: register cap per thread (Triton's ``maxnreg``).
 :func:`tuned_config` picks the configuration when none is given: :data:`HOPPER_CONFIGS` on compute
@@ -81,7 +83,7 @@ LOG2_FP8_MAX = math.log2(FP8_MAX)
 # Default launch configuration (any GPU with FP8 tensor cores; cp.async loads, Q quantized in-kernel).
 DEFAULT_CONFIG = {"BLOCK_M": 64, "BLOCK_N": 128, "num_warps": 4, "num_stages": 3, "MAGIC": True,
                   "PV_FP8": True, "V_MEAN": False, "IMPRECISE": None,
-                  "TMA": False, "QPRE": False, "ROWSUM_MMA": False, "MAXNREG": None}
+                  "TMA": False, "QPRE": False, "ROWSUM_MMA": False, "MAXNREG": None, "Q_ROW": False}
 # Hopper (compute capability 9.x): (largest key length or None, changes from DEFAULT_CONFIG); the first row
 # that fits is used. K/V through TMA, Q quantized by its pre-kernel, row sums on the tensor cores, at most
 # 168 registers per thread (how this row was chosen: docs/attention.md).
@@ -94,14 +96,10 @@ SUPPORTED_DTYPES = (torch.bfloat16, torch.float16)
 
 if triton is not None:
 
-    @triton.jit
-    def _round_i8(x, LIM: tl.constexpr):
-        """fp32 -> int8, round half away from zero, clamped to [-LIM, LIM]."""
-        x = tl.minimum(tl.maximum(x, -LIM), LIM)
-        return (x + tl.where(x >= 0, 0.5, -0.5)).to(tl.int8)
-
-    # interpreter-only rounding onto the e4m3 / bf16 / fp16 grids (shared with kernels/triton_nvfp4.py)
+    # INT8 rounding (shared with kernels/fused.py) and the interpreter-only rounding onto the e4m3 / bf16 / fp16
+    # grids (shared with kernels/triton_nvfp4.py)
     from ..triton_interp import rne_bf16 as _rne_bf16, rne_e4m3 as _rne_e4m3, rne_f16 as _rne_f16
+    from ..triton_interp import round_i8 as _round_i8
 
     @triton.jit
     def _bhld_ptrs(X, b, h, offs_l, offs_d, sb, sh, sl, sd):
@@ -166,10 +164,11 @@ if triton is not None:
 
     @triton.jit
     def _quant_q_kernel(Q, Q8, QS, sqb, sqh, sqm, sqd, H, N_Q, N_QPAD, qk_scale,
-                        HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr):
+                        HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, Q_ROW: tl.constexpr):
         """Q per block of BLOCK_M rows -> int8 [B*H, N_QPAD, D] (rows past N_Q zero) and the block's
         score scale ``max|q| / 127 * qk_scale`` [B*H, N_QPAD / BLOCK_M]: the same float32 ops as the
-        in-kernel quantization."""
+        in-kernel quantization. Q_ROW: one scale per row instead, ``max|q_row| / 127`` [B*H, N_QPAD]
+        (without qk_scale: the attention kernel applies it)."""
         i = tl.program_id(0)
         bh = tl.program_id(1)
         b = bh // H
@@ -177,9 +176,15 @@ if triton is not None:
         offs_m = i * BLOCK_M + tl.arange(0, BLOCK_M)
         offs_d = tl.arange(0, HEAD_DIM)
         qp = _bhld_ptrs(Q, b, h, offs_m, offs_d, sqb, sqh, sqm, sqd)
-        q8, qc = _quant_q_block(qp, offs_m < N_Q, qk_scale)
+        if Q_ROW:
+            x = tl.load(qp, mask=(offs_m < N_Q)[:, None], other=0.0).to(tl.float32)
+            amax = tl.max(tl.abs(x), 1)
+            q8 = _round_i8(x * tl.where(amax > 0, 127.0 / tl.where(amax > 0, amax, 1.0), 0.0)[:, None], 127.0)
+            tl.store(QS + bh * N_QPAD + offs_m, amax / 127.0)
+        else:
+            q8, qc = _quant_q_block(qp, offs_m < N_Q, qk_scale)
+            tl.store(QS + bh * (N_QPAD // BLOCK_M) + i, qc)
         tl.store(Q8 + bh.to(tl.int64) * N_QPAD * HEAD_DIM + offs_m[:, None] * HEAD_DIM + offs_d[None, :], q8)
-        tl.store(QS + bh * (N_QPAD // BLOCK_M) + i, qc)
 
     @triton.jit
     def _scores(q8, K8, k_ptrs, k_row, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, MAGIC: tl.constexpr,
@@ -200,19 +205,23 @@ if triton is not None:
     def _update(acc, l_i, m_i, x, c, VQ, v_ptrs, v_row, start_n, N_K, ones,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, MASK: tl.constexpr,
                 MAGIC: tl.constexpr, PV_FP8: tl.constexpr, INTERP: tl.constexpr, IMPRECISE: tl.constexpr,
-                TMA: tl.constexpr, ROWSUM_MMA: tl.constexpr):
-        """Online-softmax update with the scores ``x`` of one key block (``c``: score scale, exp2 domain).
-        ``l_i``: running row sum [BLOCK_M] float32 of the unrounded P, or with ROWSUM_MMA of the
-        e4m3-rounded P, each block's sum taken on the tensor cores as ``P8 @ ones``."""
+                TMA: tl.constexpr, ROWSUM_MMA: tl.constexpr, Q_ROW: tl.constexpr):
+        """Online-softmax update with the scores ``x`` of one key block (``c``: score scale, exp2 domain; a
+        [BLOCK_M] vector with Q_ROW, else a scalar). ``l_i``: running row sum [BLOCK_M] float32 of the unrounded
+        P, or with ROWSUM_MMA of the e4m3-rounded P, each block's sum taken on the tensor cores as ``P8 @ ones``."""
+        if Q_ROW:
+            cc = c[:, None]
+        else:
+            cc = c
         if MAGIC:
             off = -12582912.0 * c
             if MASK:
                 valid = (start_n + tl.arange(0, BLOCK_N) < N_K)[None, :]
                 x = tl.where(valid, x, 0.0)
             m_new = tl.maximum(m_i, tl.max(x, 1) * c + off)
-            arg = x * c + (off + 8.807354922057604 - m_new)[:, None]         # log2(448) = 8.807...
+            arg = x * cc + (off + 8.807354922057604 - m_new)[:, None]         # log2(448) = 8.807...
         else:
-            s = x * c
+            s = x * cc
             if MASK:
                 valid = (start_n + tl.arange(0, BLOCK_N) < N_K)[None, :]
                 s = tl.where(valid, s, -float("inf"))
@@ -255,19 +264,20 @@ if triton is not None:
     def _attn_block(acc, l_i, m_i, q8, qc, K8, VQ, k_ptrs, v_ptrs, k_row, v_row, ks_ptr, start_n, N_K, ones,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, MASK: tl.constexpr,
                     MAGIC: tl.constexpr, PV_FP8: tl.constexpr, INTERP: tl.constexpr, IMPRECISE: tl.constexpr,
-                    TMA: tl.constexpr, ROWSUM_MMA: tl.constexpr):
+                    TMA: tl.constexpr, ROWSUM_MMA: tl.constexpr, Q_ROW: tl.constexpr):
         x = _scores(q8, K8, k_ptrs, k_row + start_n, BLOCK_M, BLOCK_N, MAGIC, TMA)
         return _update(acc, l_i, m_i, x, qc * tl.load(ks_ptr), VQ, v_ptrs, v_row, start_n, N_K, ones,
-                       BLOCK_M, BLOCK_N, MASK, MAGIC, PV_FP8, INTERP, IMPRECISE, TMA, ROWSUM_MMA)
+                       BLOCK_M, BLOCK_N, MASK, MAGIC, PV_FP8, INTERP, IMPRECISE, TMA, ROWSUM_MMA, Q_ROW)
 
     @triton.jit
-    def _attn_fwd_kernel(Q, Q8, QS, K8, KS, VQ, VS, VM, OUT, ONES,
-                         sqb, sqh, sqm, sqd, sob, soh, som, sod,
+    def _attn_fwd_kernel(Q, Q8, QS, K8, KS, VQ, VS, VM, OUT, ONES, OSC,
+                         sqb, sqh, sqm, sqd, sob, soh, som, sod, sq8b, sq8h, sq8m, sqs,
                          H, N_Q, N_QPAD, N_K, N_KPAD, qk_scale,
                          HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                          MAGIC: tl.constexpr, PV_FP8: tl.constexpr, V_MEAN: tl.constexpr,
                          INTERP: tl.constexpr, IMPRECISE: tl.constexpr, TMA: tl.constexpr,
-                         QPRE: tl.constexpr, ROWSUM_MMA: tl.constexpr):
+                         QPRE: tl.constexpr, ROWSUM_MMA: tl.constexpr, Q_ROW: tl.constexpr,
+                         OUT_FP8: tl.constexpr):
         pid_m = tl.program_id(0)
         bh = tl.program_id(1)
         b = bh // H
@@ -276,9 +286,13 @@ if triton is not None:
         offs_d = tl.arange(0, HEAD_DIM)
         offs_n = tl.arange(0, BLOCK_N)
         # ---- Q: per-block int8 with sm_scale*log2e folded into its scale (pre-kernel with QPRE)
-        if QPRE:
-            q8 = tl.load(Q8 + bh.to(tl.int64) * N_QPAD * HEAD_DIM + offs_m[:, None] * HEAD_DIM + offs_d[None, :])
-            qc = tl.load(QS + bh * (N_QPAD // BLOCK_M) + pid_m)
+        if QPRE:    # int8 Q at [b, h, m, d] = Q8 + b*sq8b + h*sq8h + m*sq8m + d (pre-kernel or producer layout)
+            q8 = tl.load(_bhld_ptrs(Q8, b, h, offs_m, offs_d, sq8b, sq8h, sq8m, 1),
+                         mask=(offs_m < N_QPAD)[:, None], other=0)
+            if Q_ROW:
+                qc = tl.load(QS + bh * sqs + offs_m, mask=offs_m < N_QPAD, other=0.0) * qk_scale
+            else:
+                qc = tl.load(QS + bh * sqs + pid_m)
         else:
             qp = _bhld_ptrs(Q, b, h, offs_m, offs_d, sqb, sqh, sqm, sqd)
             q8, qc = _quant_q_block(qp, offs_m < N_Q, qk_scale)
@@ -309,11 +323,12 @@ if triton is not None:
         for j in range(0, n_full):
             acc, l_i, m_i = _attn_block(acc, l_i, m_i, q8, qc, K8, VQ, k_ptrs + j * (BLOCK_N * HEAD_DIM),
                                         v_ptrs + j * v_step, k_row, v_row, ks_ptr + j, j * BLOCK_N, N_K, ones,
-                                        BLOCK_M, BLOCK_N, False, MAGIC, PV_FP8, INTERP, IMPRECISE, TMA, ROWSUM_MMA)
+                                        BLOCK_M, BLOCK_N, False, MAGIC, PV_FP8, INTERP, IMPRECISE, TMA, ROWSUM_MMA, Q_ROW)
         if n_full * BLOCK_N < N_K:                           # ragged last key block (zero-padded buffers)
             acc, l_i, m_i = _attn_block(acc, l_i, m_i, q8, qc, K8, VQ, k_ptrs + n_full * (BLOCK_N * HEAD_DIM),
                                         v_ptrs + n_full * v_step, k_row, v_row, ks_ptr + n_full, n_full * BLOCK_N,
-                                        N_K, ones, BLOCK_M, BLOCK_N, True, MAGIC, PV_FP8, INTERP, IMPRECISE, TMA, ROWSUM_MMA)
+                                        N_K, ones, BLOCK_M, BLOCK_N, True, MAGIC, PV_FP8, INTERP, IMPRECISE, TMA, ROWSUM_MMA,
+                                        Q_ROW)
         # ---- epilogue
         out = acc / l_i[:, None]
         if PV_FP8:
@@ -322,7 +337,11 @@ if triton is not None:
         if V_MEAN:
             vm = tl.load(VM + bh * HEAD_DIM + offs_d)
             out = out + vm[None, :]
-        if INTERP:
+        if OUT_FP8:     # e4m3 with one scale for the whole output (OSC: its inverse, 448 / max|v|)
+            out = tl.minimum(tl.maximum(out * tl.load(OSC), -448.0), 448.0)
+            if INTERP:
+                out = _rne_e4m3(out)
+        elif INTERP:
             if OUT.dtype.element_ty == tl.bfloat16:
                 out = _rne_bf16(out)
             else:
@@ -365,6 +384,8 @@ def _cfg(config: dict | None) -> dict:
         raise ValueError(f"attention_int8: config MAXNREG={mr!r}; expected None or an int in [24, 255]")
     if c["ROWSUM_MMA"] and not c["PV_FP8"]:
         raise ValueError("attention_int8: ROWSUM_MMA needs PV_FP8 (the row sum runs on the e4m3 P)")
+    if c["Q_ROW"] and not c["QPRE"]:
+        raise ValueError("attention_int8: Q_ROW needs QPRE (the per-row Q scales come from a pre-kernel or producer)")
     return c
 
 
@@ -389,16 +410,26 @@ def kv_stats(k: torch.Tensor, v: torch.Tensor, v_mean: bool = True, pv_fp8: bool
     return km.contiguous(), vm.contiguous(), vs.contiguous(), vinv.contiguous()
 
 
-def quantize_kv(k: torch.Tensor, v: torch.Tensor, config: dict | None = None):
+def stats_from_sums(ksum: torch.Tensor, vamax: torch.Tensor, n: int):
+    """:func:`kv_stats` (``V_MEAN`` off, fp8 P V) from a producer's sums: ``ksum`` [B*H, D] float32 (the sum of k
+    over its ``n`` tokens), ``vamax`` [B*H, D] float32 (max |v| over the tokens) -> (km, vm, vs, vinv)."""
+    km = ksum / float(n)
+    vs = vamax / FP8_MAX
+    vinv = torch.where(vamax > 0, FP8_MAX / vamax, torch.zeros_like(vamax))
+    return km.contiguous(), torch.zeros_like(km), vs.contiguous(), vinv.contiguous()
+
+
+def quantize_kv(k: torch.Tensor, v: torch.Tensor, config: dict | None = None, stats=None):
     """Pre-kernel: k, v [B, H, L, D] (bf16/fp16, any strides) -> dict with ``k8`` int8 [B*H, L_pad, D]
     (smoothed, per-block of BLOCK_N keys), ``ks`` float32 [B*H, L_pad/BLOCK_N], ``vq`` (e4m3
     [B*H, D, L_pad] if PV_FP8 else bf16 [B*H, L_pad, D]), ``km``/``vm``/``vs``/``vinv`` float32 [B*H, D],
-    ``n_kpad`` = L rounded up to BLOCK_N. Rows past L are written as zeros."""
+    ``n_kpad`` = L rounded up to BLOCK_N. Rows past L are written as zeros. ``stats``: (km, vm, vs, vinv)
+    already computed (e.g. :func:`stats_from_sums`), else :func:`kv_stats` here."""
     c = _cfg(config)
     B, H, L, D = k.shape
     bn = c["BLOCK_N"]
     npad = triton.cdiv(L, bn) * bn
-    km, vm, vs, vinv = kv_stats(k, v, c["V_MEAN"], c["PV_FP8"])
+    km, vm, vs, vinv = kv_stats(k, v, c["V_MEAN"], c["PV_FP8"]) if stats is None else stats
     k8 = torch.empty(B * H, npad, D, device=k.device, dtype=torch.int8)
     ks = torch.empty(B * H, npad // bn, device=k.device, dtype=torch.float32)
     if c["PV_FP8"]:
@@ -431,7 +462,8 @@ def _ones_e4m3(device, block_n: int) -> torch.Tensor:
 def quantize_q(q: torch.Tensor, qk_scale: float, config: dict | None = None):
     """Pre-kernel (QPRE): q [B, H, L, D] (bf16/fp16, any strides) -> (``q8`` int8 [B*H, L_pad, D] per block
     of BLOCK_M rows, rows past L zero; ``qs`` float32 [B*H, L_pad / BLOCK_M] = ``max|q| / 127 * qk_scale``;
-    ``L_pad``). The same float32 math as the attention kernel's own quantization."""
+    ``L_pad``). The same float32 math as the attention kernel's own quantization. With ``Q_ROW``: one scale
+    per row, ``qs`` [B*H, L_pad] = ``max|q_row| / 127`` (qk_scale is applied by the attention kernel)."""
     if triton is None:
         raise NoCapablePathError(f"attention_int8: triton unavailable ({_TRITON_ERROR})")
     c = _cfg(config)
@@ -443,9 +475,9 @@ def quantize_q(q: torch.Tensor, qk_scale: float, config: dict | None = None):
     bm = c["BLOCK_M"]
     npad = triton.cdiv(L, bm) * bm
     q8 = torch.empty(B * H, npad, D, device=q.device, dtype=torch.int8)
-    qs = torch.empty(B * H, npad // bm, device=q.device, dtype=torch.float32)
+    qs = torch.empty(B * H, npad if c["Q_ROW"] else npad // bm, device=q.device, dtype=torch.float32)
     _quant_q_kernel[(npad // bm, B * H)](q, q8, qs, *q.stride(), H, L, npad, qk_scale,
-                                         HEAD_DIM=D, BLOCK_M=bm, num_warps=4)
+                                         HEAD_DIM=D, BLOCK_M=bm, Q_ROW=c["Q_ROW"], num_warps=4)
     return q8, qs, npad
 
 
@@ -500,16 +532,24 @@ def sage_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: flo
                          f"{tuple(out.shape)} {out.dtype} on {out.device}"
                          f"{'' if out.is_contiguous() else ' (not contiguous)'}")
     kv = quantize_kv(k, v, c)
+    if c["QPRE"]:
+        q8, qs, nqpad = quantize_q(q, sm * LOG2E, c)
+        q8_strides = (H * nqpad * D, nqpad * D, D, nqpad if c["Q_ROW"] else nqpad // c["BLOCK_M"])
+    else:
+        q8, qs, nqpad = q, q, Lq              # unused by the kernel
+        q8_strides = (0, 0, 0, 0)
+    _launch(q, q8, qs, q8_strides, nqpad, kv, out, out_layout, None, B, H, Lq, Lk, D, sm, c)
+    return out
+
+
+def _launch(q, q8, qs, q8_strides, nqpad, kv, out, out_layout, osc, B, H, Lq, Lk, D, sm, c):
+    """The attention kernel's launch (shared by :func:`sage_attention` and :func:`sage_attention_prequantized`)."""
     if out_layout == "bhld":
         so = out.stride()
     else:
         so = (out.stride(0), D, out.stride(1), 1)
     grid = (triton.cdiv(Lq, c["BLOCK_M"]), B * H)
     k8, vq = kv["k8"], kv["vq"]
-    if c["QPRE"]:
-        q8, qs, nqpad = quantize_q(q, sm * LOG2E, c)
-    else:
-        q8, qs, nqpad = q, q, Lq              # unused by the kernel
     if c["TMA"]:
         from triton.tools.tensor_descriptor import TensorDescriptor
 
@@ -522,12 +562,67 @@ def sage_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: flo
     launch = {"maxnreg": c["MAXNREG"]} if c["MAXNREG"] else {}
     ones = _ones_e4m3(q.device, c["BLOCK_N"]) if c["ROWSUM_MMA"] else q
     _attn_fwd_kernel[grid](
-        q, q8, qs, k8, kv["ks"], vq, kv["vs"], kv["vm"], out, ones,
-        *q.stride(), *so, H, Lq, nqpad, Lk, kv["n_kpad"], sm * LOG2E,
+        q, q8, qs, k8, kv["ks"], vq, kv["vs"], kv["vm"], out, ones, osc if osc is not None else kv["vs"],
+        *q.stride(), *so, *q8_strides, H, Lq, nqpad, Lk, kv["n_kpad"], sm * LOG2E,
         HEAD_DIM=D, BLOCK_M=c["BLOCK_M"], BLOCK_N=c["BLOCK_N"], MAGIC=c["MAGIC"], PV_FP8=c["PV_FP8"],
         V_MEAN=c["V_MEAN"], INTERP=INTERPRET, IMPRECISE=None if c["IMPRECISE"] is None else min(c["IMPRECISE"], c["BLOCK_N"]),
-        TMA=c["TMA"], QPRE=c["QPRE"], ROWSUM_MMA=c["ROWSUM_MMA"], num_warps=c["num_warps"],
-        num_stages=c["num_stages"], **launch)
+        TMA=c["TMA"], QPRE=c["QPRE"], ROWSUM_MMA=c["ROWSUM_MMA"], Q_ROW=c["Q_ROW"], OUT_FP8=osc is not None,
+        num_warps=c["num_warps"], num_stages=c["num_stages"], **launch)
+    return out
+
+
+def sage_attention_prequantized(q8: torch.Tensor, qs: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                                ksum: torch.Tensor, vamax: torch.Tensor, scale: float | None = None,
+                                config: dict | None = None, out_fp8: bool = False):
+    """8-bit attention of one sequence whose Q is already quantized per row by its producer
+    (:func:`h3_turbo.kernels.fused.qk_norm_rope_sage`) and whose K/V statistics it summed: the ``Q_ROW`` math of
+    :func:`sage_attention` (module docstring) without the Q pre-kernel and the K/V statistics pass.
+
+    q8 int8 [L, H, D] (token-major, contiguous); qs float32 [H, L] (``max|q_row| / 127`` per row and head);
+    k, v [1, H, L, D] bf16/fp16 views (any strides); ksum / vamax float32 [H, D] (sum of k, max |v| over the L
+    tokens). ``scale`` > 0 (default D ** -0.5). ``config``: launch configuration (default
+    :func:`tuned_config`); ``Q_ROW`` and ``QPRE`` are forced on, ``V_MEAN`` must be off and ``PV_FP8`` on.
+    Returns [1, L, H*D] in k's dtype (core's layout), or with ``out_fp8`` the out_proj input of the fp8 path:
+    (e4m3 [L, H*D], row scales float32 [L, 1], all equal to ``max(vamax) / 448``: the output of a softmax is
+    a convex combination of v's rows, so no element exceeds max |v|). ValueError on other inputs."""
+    if triton is None:
+        raise NoCapablePathError(f"attention_int8: triton unavailable ({_TRITON_ERROR})")
+    if k.ndim != 4 or k.shape[0] != 1 or v.shape != k.shape:
+        raise ValueError(f"attention_int8.prequantized: k, v must be [1, H, L, D], got {tuple(k.shape)}, "
+                         f"{tuple(v.shape)}")
+    _, H, L, D = k.shape
+    if D not in SUPPORTED_HEAD_DIMS or k.dtype not in SUPPORTED_DTYPES or v.dtype != k.dtype:
+        raise ValueError(f"attention_int8.prequantized: head dim {D} / dtypes {k.dtype}, {v.dtype}; expected "
+                         f"{SUPPORTED_HEAD_DIMS} and one of {SUPPORTED_DTYPES}")
+    if q8.dtype != torch.int8 or tuple(q8.shape) != (L, H, D) or not q8.is_contiguous():
+        raise ValueError(f"attention_int8.prequantized: q8 must be a contiguous int8 [{L}, {H}, {D}], got "
+                         f"{q8.dtype} {tuple(q8.shape)}")
+    for name, t, shape in (("qs", qs, (H, L)), ("ksum", ksum, (H, D)), ("vamax", vamax, (H, D))):
+        if t.dtype != torch.float32 or tuple(t.shape) != shape or not t.is_contiguous():
+            raise ValueError(f"attention_int8.prequantized: {name} must be a contiguous float32 {list(shape)}, got "
+                             f"{t.dtype} {tuple(t.shape)}")
+    if not (q8.device == qs.device == k.device == v.device == ksum.device == vamax.device):
+        raise ValueError("attention_int8.prequantized: all inputs must be on one device")
+    sm = (D ** -0.5) if scale is None else float(scale)
+    if not math.isfinite(sm) or sm <= 0:
+        raise ValueError(f"attention_int8.prequantized: scale {scale!r}; expected a finite number > 0")
+    c = dict(config) if config is not None else tuned_config(k.device, L)
+    c.update(QPRE=True, Q_ROW=True)
+    c = _cfg(c)
+    if c["V_MEAN"] or not c["PV_FP8"]:
+        raise ValueError("attention_int8.prequantized: needs V_MEAN off and PV_FP8 on (the producer sums max |v|)")
+    kv = quantize_kv(k, v, c, stats=stats_from_sums(ksum, vamax, L))
+    if out_fp8:
+        gmax = vamax.amax().reshape(1)
+        osc = torch.where(gmax > 0, FP8_MAX / gmax, torch.zeros_like(gmax))
+        out = torch.empty((1, L, H * D), device=k.device, dtype=torch.float8_e4m3fn)
+    else:
+        osc = None
+        out = torch.empty((1, L, H * D), device=k.device, dtype=k.dtype)
+    _launch(k, q8, qs, (L * H * D, D, H * D, L), L, kv, out, "blhd", osc, 1, H, L, L, D, sm, c)
+    if out_fp8:
+        sx = torch.where(gmax > 0, gmax / FP8_MAX, torch.full_like(gmax, 1.0 / FP8_MAX)).expand(L, 1).contiguous()
+        return out[0], sx
     return out
 
 
@@ -563,7 +658,7 @@ def quantize_reference(q, k, v, config: dict | None = None):
     km, vm, vs, vinv = kv_stats(k, v, c["V_MEAN"], c["PV_FP8"])
     qf = q.float().reshape(B * H, Lq, D)
     kf = k.float().reshape(B * H, Lk, D) - km[:, None, :]
-    q8, qs = _block_quant(qf, c["BLOCK_M"])
+    q8, qs = _block_quant(qf, 1 if c["Q_ROW"] else c["BLOCK_M"])
     k8, ks = _block_quant(kf, c["BLOCK_N"])
     vf = v.float().reshape(B * H, Lk, D)
     if c["V_MEAN"]:
@@ -590,7 +685,7 @@ def sage_reference(q, k, v, scale: float | None = None, config: dict | None = No
     rows = torch.arange(Lq, device=q.device) if rows is None else rows
     bm, bn = c["BLOCK_M"], c["BLOCK_N"]
     q8 = qz["q8"][:, rows].double()                                     # [G, r, D]
-    qc = qz["qs"][:, rows // bm].double() * sm * LOG2E                  # [G, r]
+    qc = qz["qs"][:, rows if c["Q_ROW"] else rows // bm].double() * sm * LOG2E     # [G, r]
     G, r = qc.shape
     m = torch.full((G, r), -math.inf, dtype=torch.float64, device=q.device)
     l = torch.zeros((G, r), dtype=torch.float64, device=q.device)

@@ -397,12 +397,12 @@ def kernels_part():
                     out[f"ms_prep_fused_{tag}"] = bench(fused_prep)
                     out[f"ms_qk_norm_rope_sage_{tag}"] = bench(lambda: fk.qk_norm_rope_sage(b1, HEADS, HD, table, qw,
                                                                                             kw, 1e-6))
-                    if st == "torch":
-                        fk.SETTINGS["sage_stats"] = "torch"
+                    if st == "torch":      # the launch alone (no reductions): q8 / qs written, k rotated
                         b2 = qkv0.clone()
+                        q8b = torch.empty(s, HEADS, HD, device=DEV, dtype=torch.int8)
+                        qsb = torch.empty(s, HEADS, device=DEV)
                         out[f"ms_qk_launch_only_{tag}"] = bench(lambda: fk._qk_rope_launch(
-                            b2, HEADS, HD, table, qw, kw, 1e-6, b2, (torch.empty(s, HEADS, HD, device=DEV, dtype=torch.int8),
-                                                                     torch.empty(HEADS, s, device=DEV), b2, b2)))
+                            b2, HEADS, HD, table, qw, kw, 1e-6, b2, (q8b, qsb, b2, b2)))
                 finally:
                     fk.SETTINGS.update(before)
             out["ms_qk_norm_rope_sage"] = bench(lambda: fk.qk_norm_rope_sage(b1, HEADS, HD, table, qw, kw, 1e-6))

@@ -66,7 +66,9 @@ SETTINGS = {
     # the fused block's int8_sage route (qk_norm_rope_sage + sage_attention_prequantized): off, measured slower on the
     # H200 with "kernel" stats (docs/kernels.md, "int8_sage fused into the producer"); "torch" stats not yet timed
     "sage_route": False,
-    "sage_stats": "kernel",  # qk_norm_rope_sage's k sums / v maxima: "kernel" (partials in the launch) or "torch"
+    # qk_norm_rope_sage's k sums / v maxima: "torch" (reductions after the launch: its q / k head loop then has no
+    # cross-warp step) or "kernel" (partials in the launch; the H200 runs measured it, slower)
+    "sage_stats": "torch",
     "rope_v_rows": 8,        # rows per v program of qk_norm_rope_sage (its column max |v|; a multiple of rope_rows;
                              # H200: 8 < 64 < 256, a longer loop per program is latency-bound)
     "gate_block": 2048,
@@ -212,13 +214,14 @@ if triton is not None:
     def _qk_rope_kernel(x_ptr, v_ptr, w_ptr, f_ptr, q8_ptr, qs_ptr, ks_ptr, va_ptr, S, H, eps, stride_x, stride_fs,
                         stride_fi, stride_fr, stride_fc,
                         D: tl.constexpr, R2: tl.constexpr, BS: tl.constexpr, SAGE: tl.constexpr,
-                        VR: tl.constexpr, STATS: tl.constexpr, INTERP: tl.constexpr):
+                        VR: tl.constexpr, STATS: tl.constexpr, HP: tl.constexpr, INTERP: tl.constexpr):
         """Rows [BS * pid0, +BS); pid1 = 0 / 1: every q / k head normed (weights w_ptr [2, D]: q's, k's) and rotated in
         place; pid1 = 2: every v head copied to v_ptr [S, H, D]. Column c of a head is combined with its partner
         p(c) = c + R2 (c < R2), c - R2 (R2 <= c < 2 R2), c (pass-through): out_c = A_c n_c + B_c n_p(c) with
         (A, B) = (f00, f01), (f11, f10), (1, 0); the table's A / B rows are read once for all H heads.
         SAGE (int8_sage's inputs instead): q -> int8 per (row, head) into q8_ptr [S, H, D] with max|row| / 127 into
-        qs_ptr [H, S] (q is not written back); k rotated in place as above and its per-program column sums (of the
+        qs_ptr [S, H] (collected over the head loop in a [BS, HP >= H] tile and stored once after it, so no layout
+        conversion sits in the loop; q is not written back); k rotated in place as above and its per-program column sums (of the
         rounded values) into ks_ptr [programs, H * D]; v not copied: the first cdiv(S, BS * VR) v programs take
         BS * VR rows each and write their column max |v| (in x's dtype: a max is exact) into va_ptr
         [cdiv(S, BS * VR), H * D] (no atomics: the result does not depend on the order). Without STATS neither the
@@ -259,6 +262,8 @@ if triton is not None:
             cb = tl.load(fb + b_off[None, :], mask=fm, other=0.0).to(tl.float32)
             w = tl.load(w_ptr + part * D + cols).to(tl.float32)
             wp = tl.load(w_ptr + part * D + pc).to(tl.float32)
+            hcols = tl.arange(0, HP)
+            qsc = tl.zeros([BS, HP], dtype=tl.float32)
             for h in range(0, H):
                 base = row_base + (part * H + h) * D
                 x = tl.load(base + cols[None, :], mask=rm[:, None], other=0.0).to(tl.float32)
@@ -273,14 +278,17 @@ if triton is not None:
                         a = tl.max(tl.abs(yf), axis=1)
                         q8 = _round_i8(yf * tl.where(a > 0, 127.0 / tl.where(a > 0, a, 1.0), 0.0)[:, None], 127.0)
                         tl.store(q8_ptr + r64[:, None] * (H * D) + h * D + cols[None, :], q8, mask=rm[:, None])
-                        tl.store(qs_ptr + h * S + r64, a / 127.0, mask=rm)
+                        qsc = tl.where(hcols[None, :] == h, (a / 127.0)[:, None], qsc)
                     else:
                         tl.store(base + cols[None, :], y, mask=rm[:, None])
                         if STATS:
                             tl.store(ks_ptr + tl.program_id(0).to(tl.int64) * (H * D) + h * D + cols,
-                                     tl.sum(y.to(tl.float32), axis=0))
+                                     tl.sum(tl.where(rm[:, None], y.to(tl.float32), 0.0), axis=0))
                 else:
                     tl.store(base + cols[None, :], y, mask=rm[:, None])
+            if SAGE:
+                if part == 0:
+                    tl.store(qs_ptr + r64[:, None] * H + hcols[None, :], qsc, mask=rm[:, None] & (hcols[None, :] < H))
 
 
 def _need_triton(where: str, *ts: torch.Tensor) -> None:
@@ -467,7 +475,7 @@ def _qk_rope_launch(qkv, heads, head_dim, freqs, q_weight, k_weight, eps, v, sag
         qkv, v, torch.cat((q_weight.reshape(-1), k_weight.reshape(-1))), freqs, q8, qs, ks, va, s, heads, float(eps),
         qkv.stride(0), freqs.stride(1), freqs.stride(3), freqs.stride(4), freqs.stride(5), D=head_dim,
         R2=int(freqs.shape[3]), BS=bs, SAGE=sage is not None, VR=max(1, int(SETTINGS["rope_v_rows"]) // bs),
-        STATS=SETTINGS["sage_stats"] == "kernel", INTERP=INTERPRET,
+        STATS=SETTINGS["sage_stats"] == "kernel", HP=triton.next_power_of_2(heads), INTERP=INTERPRET,
         num_warps=4 if INTERPRET else SETTINGS["rope_warps"])
 
 
@@ -477,7 +485,7 @@ def qk_norm_rope_sage(qkv: torch.Tensor, heads: int, head_dim: int, freqs: torch
     quantized to INT8 per (row, head) straight from its rounded rotated values (SageAttention's per-token Q
     quantization, ``q8 = round_half_away(q * 127 / max|q_row|)``), k is rotated in place and its column sums taken,
     v is read once for its column max |v| (no copy). Arguments as :func:`qk_norm_rope`. Returns ``{"q8": int8
-    [S, heads, head_dim], "qs": float32 [heads, S] (max|q_row| / 127), "ksum": float32 [heads, head_dim] (sum of
+    [S, heads, head_dim], "qs": float32 [S, heads] (max|q_row| / 127), "ksum": float32 [heads, head_dim] (sum of
     the rotated k over the S rows), "vamax": float32 [heads, head_dim]}`` (the arguments of
     :func:`.attention.int8_kernels.sage_attention_prequantized`); qkv's q columns keep their input values.
     Eager reference :func:`qk_norm_rope_sage_ref`. ValueError naming the argument on bad input."""
@@ -485,7 +493,7 @@ def qk_norm_rope_sage(qkv: torch.Tensor, heads: int, head_dim: int, freqs: torch
     _qk_rope_checks(where, qkv, heads, head_dim, freqs, q_weight, k_weight, eps)
     s, dev = qkv.shape[0], qkv.device
     q8 = torch.empty((s, heads, head_dim), device=dev, dtype=torch.int8)
-    qs = torch.empty((heads, s), device=dev, dtype=torch.float32)
+    qs = torch.empty((s, heads), device=dev, dtype=torch.float32)
     bs = int(SETTINGS["rope_rows"])
     vrows = bs * max(1, int(SETTINGS["rope_v_rows"]) // bs)
     stats = SETTINGS["sage_stats"]
@@ -591,7 +599,7 @@ def qk_norm_rope_sage_ref(qkv: torch.Tensor, heads: int, head_dim: int, freqs: t
     q8 = torch.trunc(x + torch.where(x >= 0, 0.5, -0.5)).to(torch.int8)
     k = new[:, inner:2 * inner].reshape(s, heads, head_dim).to(dtype)
     v = qkv[:, 2 * inner:].reshape(s, heads, head_dim).to(dtype)
-    return {"q8": q8, "qs": (a[..., 0] / 127.0).t().contiguous(), "ksum": k.sum(dim=0),
+    return {"q8": q8, "qs": (a[..., 0] / 127.0).contiguous(), "ksum": k.sum(dim=0),
             "vamax": v.abs().amax(dim=0), "new": new}
 
 

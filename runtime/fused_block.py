@@ -356,7 +356,8 @@ def _sage_route(transformer_options, x, head_dim: int, ops):
     """(override, config) when ``kernels.fused.SETTINGS["sage_route"]`` is on (default off: measured slower, see
     docs/kernels.md), the MODEL's attention override is the pack's ``int8_sage`` and its kernel can take this block's
     call fused (:func:`kernels.fused.qk_norm_rope_sage` + ``sage_attention_prequantized``); else None (core's
-    attention call with that override), the reason logged once."""
+    attention call with that override). With the setting on, the reason an ``int8_sage`` call is not taken is logged
+    once."""
     ov = transformer_options.get("optimized_attention_override")
     if ov is None or getattr(ov, "backend", None) != "int8_sage" or not fk.SETTINGS["sage_route"]:
         return None
@@ -411,6 +412,7 @@ def fused_forward(block, x, t_emb, mod_segments, rope_freqs, transformer_options
     from comfy.ldm.modules.attention import optimized_attention
 
     routes = {} if routes is None else routes
+    routes_before = dict(routes)
     comfy.ops.run_every_op()
     shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = block.adaln_proj(t_emb)
     s = x.shape[0]
@@ -445,6 +447,11 @@ def fused_forward(block, x, t_emb, mod_segments, rope_freqs, transformer_options
             _SAGE_OFF[x.device.type] = why
             log_once(("fused_sage_failed", why), "H3 Turbo fused block: the fused int8_sage route failed (%s) -> "
                      "this process runs qk_norm_rope + the int8_sage override instead", why, level=logging.WARNING)
+            # rerun the block without the route (x is unchanged so far): free this attempt's buffers first and count
+            # its qkv projection once (a Turbo branch folded into qkv counts this call twice: a one-time failure)
+            qkv = prep = None
+            routes.clear()
+            routes.update(routes_before)
             return fused_forward(block, x, t_emb, mod_segments, rope_freqs, transformer_options, plans, ops, routes)
         override.calls += 1
         routes["sage"] = routes.get("sage", 0) + 1

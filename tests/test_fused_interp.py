@@ -298,7 +298,7 @@ def test_qk_norm_rope_sage_is_qk_norm_rope_then_int8_sage_inputs(s, heads, d, r2
     diff = (got["q8"].int() - q8.int()).abs()
     tie = ((t.abs() - t.abs().floor()) - 0.5).abs() < 1e-5
     assert got["q8"].shape == (s, heads, d) and int(diff.sum()) <= diff.numel() // 500 + 2 and bool((diff <= 1).all()) and not (diff.bool() & ~tie).any()
-    assert got["qs"].shape == (heads, s) and torch.equal(got["qs"], (a[..., 0] / 127.0).t())
+    assert got["qs"].shape == (s, heads) and torch.equal(got["qs"], a[..., 0] / 127.0)
     k = rot[:, inner:2 * inner].reshape(s, heads, d).double()
     v = qkv[:, 2 * inner:].reshape(s, heads, d)
     assert torch.equal(got["vamax"], v.float().abs().amax(dim=0) if s else torch.zeros(heads, d))
@@ -306,6 +306,14 @@ def test_qk_norm_rope_sage_is_qk_norm_rope_then_int8_sage_inputs(s, heads, d, r2
     if s:
         ref = fk.qk_norm_rope_sage_ref(qkv, heads, d, table, qw, kw, 1e-6)
         assert float((got["q8"].int() - ref["q8"].int()).abs().float().mean()) <= 2e-3   # float64-rounded q
+
+
+def test_qk_norm_rope_sage_ignores_the_padded_rows_of_its_last_program():
+    """eps = 0 and S not a multiple of the rows per program: the padded rows (0 / 0 in the norm) stay out of the
+    k sums and the v maxima."""
+    qkv, table, qw, kw = _rope_inputs(13, 2, 64, 16, torch.bfloat16, torch.bfloat16, seed=2)
+    got = fk.qk_norm_rope_sage(qkv.clone(), 2, 64, table, qw, kw, 0.0)
+    assert torch.isfinite(got["ksum"]).all() and torch.isfinite(got["vamax"]).all() and torch.isfinite(got["qs"]).all()
 
 
 def _sage_block(comfy_ok):
@@ -397,6 +405,19 @@ def test_fused_block_runs_int8_sage_fused_on_the_producer(comfy, monkeypatch):
         del fb._SAGE_OFF["cpu"]
     assert "sage" not in p2.routes and ov.calls == 3          # the override ran through core's attention call
     assert torch.equal(unfused, off)
+    # a route that raises (e.g. a Triton build failure): logged, off for the process, the block rerun unfused
+    from h3_turbo.kernels.attention import int8_kernels
+
+    def boom(*a, **k):
+        raise RuntimeError("simulated build failure")
+
+    monkeypatch.setattr(int8_kernels, "sage_attention_prequantized", boom)
+    try:
+        failed, p3 = run(_CpuTritonOps(), {"optimized_attention_override": ov})
+        assert fb._SAGE_OFF.get("cpu", "").startswith("RuntimeError: simulated build failure")
+    finally:
+        fb._SAGE_OFF.pop("cpu", None)
+    assert torch.equal(failed, off) and p3.routes == {"fp8": 4} and p3.calls == 1
     x = args["img"].double()
 
     def rel_update(y):

@@ -271,7 +271,7 @@ if triton is not None:
 
     @triton.jit
     def _attn_fwd_kernel(Q, Q8, QS, K8, KS, VQ, VS, VM, OUT, ONES, OSC,
-                         sqb, sqh, sqm, sqd, sob, soh, som, sod, sq8b, sq8h, sq8m, sqs,
+                         sqb, sqh, sqm, sqd, sob, soh, som, sod, sq8b, sq8h, sq8m, sqs, sqsm,
                          H, N_Q, N_QPAD, N_K, N_KPAD, qk_scale,
                          HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                          MAGIC: tl.constexpr, PV_FP8: tl.constexpr, V_MEAN: tl.constexpr,
@@ -290,7 +290,7 @@ if triton is not None:
             q8 = tl.load(_bhld_ptrs(Q8, b, h, offs_m, offs_d, sq8b, sq8h, sq8m, 1),
                          mask=(offs_m < N_QPAD)[:, None], other=0)
             if Q_ROW:
-                qc = tl.load(QS + bh * sqs + offs_m, mask=offs_m < N_QPAD, other=0.0) * qk_scale
+                qc = tl.load(QS + bh * sqs + offs_m * sqsm, mask=offs_m < N_QPAD, other=0.0) * qk_scale
             else:
                 qc = tl.load(QS + bh * sqs + pid_m)
         else:
@@ -534,10 +534,10 @@ def sage_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: flo
     kv = quantize_kv(k, v, c)
     if c["QPRE"]:
         q8, qs, nqpad = quantize_q(q, sm * LOG2E, c)
-        q8_strides = (H * nqpad * D, nqpad * D, D, nqpad if c["Q_ROW"] else nqpad // c["BLOCK_M"])
+        q8_strides = (H * nqpad * D, nqpad * D, D, nqpad if c["Q_ROW"] else nqpad // c["BLOCK_M"], 1)
     else:
         q8, qs, nqpad = q, q, Lq              # unused by the kernel
-        q8_strides = (0, 0, 0, 0)
+        q8_strides = (0, 0, 0, 0, 0)
     _launch(q, q8, qs, q8_strides, nqpad, kv, out, out_layout, None, B, H, Lq, Lk, D, sm, c)
     return out
 
@@ -578,13 +578,14 @@ def sage_attention_prequantized(q8: torch.Tensor, qs: torch.Tensor, k: torch.Ten
     (:func:`h3_turbo.kernels.fused.qk_norm_rope_sage`) and whose K/V statistics it summed: the ``Q_ROW`` math of
     :func:`sage_attention` (module docstring) without the Q pre-kernel and the K/V statistics pass.
 
-    q8 int8 [L, H, D] (token-major, contiguous); qs float32 [H, L] (``max|q_row| / 127`` per row and head);
+    q8 int8 [L, H, D] (token-major, contiguous); qs float32 [L, H] (``max|q_row| / 127`` per row and head);
     k, v [1, H, L, D] bf16/fp16 views (any strides); ksum / vamax float32 [H, D] (sum of k, max |v| over the L
     tokens). ``scale`` > 0 (default D ** -0.5). ``config``: launch configuration (default
     :func:`tuned_config`); ``Q_ROW`` and ``QPRE`` are forced on, ``V_MEAN`` must be off and ``PV_FP8`` on.
     Returns [1, L, H*D] in k's dtype (core's layout), or with ``out_fp8`` the out_proj input of the fp8 path:
-    (e4m3 [L, H*D], row scales float32 [L, 1], all equal to ``max(vamax) / 448``: the output of a softmax is
-    a convex combination of v's rows, so no element exceeds max |v|). ValueError on other inputs."""
+    (e4m3 [L, H*D], row scales float32 [L, 1], all equal to ``max(vamax) / 448`` (1/448 when v is all zero):
+    the output of a softmax is a convex combination of v's rows, so no element exceeds max |v|). ValueError on
+    other inputs."""
     if triton is None:
         raise NoCapablePathError(f"attention_int8: triton unavailable ({_TRITON_ERROR})")
     if k.ndim != 4 or k.shape[0] != 1 or v.shape != k.shape:
@@ -597,7 +598,7 @@ def sage_attention_prequantized(q8: torch.Tensor, qs: torch.Tensor, k: torch.Ten
     if q8.dtype != torch.int8 or tuple(q8.shape) != (L, H, D) or not q8.is_contiguous():
         raise ValueError(f"attention_int8.prequantized: q8 must be a contiguous int8 [{L}, {H}, {D}], got "
                          f"{q8.dtype} {tuple(q8.shape)}")
-    for name, t, shape in (("qs", qs, (H, L)), ("ksum", ksum, (H, D)), ("vamax", vamax, (H, D))):
+    for name, t, shape in (("qs", qs, (L, H)), ("ksum", ksum, (H, D)), ("vamax", vamax, (H, D))):
         if t.dtype != torch.float32 or tuple(t.shape) != shape or not t.is_contiguous():
             raise ValueError(f"attention_int8.prequantized: {name} must be a contiguous float32 {list(shape)}, got "
                              f"{t.dtype} {tuple(t.shape)}")
@@ -619,7 +620,7 @@ def sage_attention_prequantized(q8: torch.Tensor, qs: torch.Tensor, k: torch.Ten
     else:
         osc = None
         out = torch.empty((1, L, H * D), device=k.device, dtype=k.dtype)
-    _launch(k, q8, qs, (L * H * D, D, H * D, L), L, kv, out, "blhd", osc, 1, H, L, L, D, sm, c)
+    _launch(k, q8, qs, (L * H * D, D, H * D, 1, H), L, kv, out, "blhd", osc, 1, H, L, L, D, sm, c)
     if out_fp8:
         sx = torch.where(gmax > 0, gmax / FP8_MAX, torch.full_like(gmax, 1.0 / FP8_MAX)).expand(L, 1).contiguous()
         return out[0], sx

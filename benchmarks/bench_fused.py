@@ -26,7 +26,8 @@ Three parts, each saved to ``$OUT/$TAG.json`` after every step (default TAG benc
    interface: ``h3turbo_lora_forward`` for the unfused block, ``h3turbo_lora_operands`` for the fused one).
    On CUDA also core's block and the fused block with the ``int8_sage`` override, the fused block both with core's
    attention call (its default) and with its producer route (``fused_fp8_int8_sage_producer``:
-   ``kernels.fused.SETTINGS["sage_route"]`` on). Reports ms/block (median of REPS), the torch-profiler categories (GEMM, attention, the
+   ``kernels.fused.SETTINGS["sage_route"]`` on); ``fused_fp8_no_v_copy``: the fused block with attention reading v
+   from the qkv buffer (``SETTINGS["v_copy"]`` off). Reports ms/block (median of REPS), the torch-profiler categories (GEMM, attention, the
    harness's own input copy ``memcpy``, everything else = non-GEMM non-attention ms/block), relative L2 of the output and of the block's update (out - x) against ``exact``;
    with FP8_ATTN=1 (default) and the frontend importable also the fused block with ``cudnn_fp8`` attention.
 3. ``attention``: ``cudnn_fp8`` (through its override: amax + casts + kernel + dequantize; and the e4m3 output
@@ -402,7 +403,7 @@ def kernels_part():
                         q8b = torch.empty(s, HEADS, HD, device=DEV, dtype=torch.int8)
                         qsb = torch.empty(s, HEADS, device=DEV)
                         out[f"ms_qk_launch_only_{tag}"] = bench(lambda: fk._qk_rope_launch(
-                            b2, HEADS, HD, table, qw, kw, 1e-6, b2, (q8b, qsb, b2, b2)))
+                            b2, HEADS, HD, table, qw, kw, 1e-6, b2, (q8b, qsb, b2, b2), False))
                 finally:
                     fk.SETTINGS.update(before)
             out["ms_qk_norm_rope_sage"] = bench(lambda: fk.qk_norm_rope_sage(b1, HEADS, HD, table, qw, kw, 1e-6))
@@ -617,7 +618,15 @@ def block_part():
                 ref = core_run(to_exact)
                 set_path(blk, "fp8")
                 out = {}
-                runs = [("unfused_fp8", lambda: core_run(to_exact)), ("fused_fp8", lambda: fused_run(to_exact))]
+                def no_v_copy():       # attention reads v from the qkv buffer (kernels.fused.SETTINGS["v_copy"])
+                    fk.SETTINGS["v_copy"] = False
+                    try:
+                        return fused_run(to_exact)
+                    finally:
+                        fk.SETTINGS["v_copy"] = True
+
+                runs = [("unfused_fp8", lambda: core_run(to_exact)), ("fused_fp8", lambda: fused_run(to_exact)),
+                        ("fused_fp8_no_v_copy", no_v_copy)]
                 if CUDA:     # int8_sage: core's block; the fused block with core's attention call (the default) and
                     # with the producer route (kernels.fused.SETTINGS["sage_route"], off by default)
                     i8 = int8_sage.int8_override()

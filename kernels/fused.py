@@ -66,6 +66,9 @@ SETTINGS = {
     # the fused block's int8_sage route (qk_norm_rope_sage + sage_attention_prequantized): off, measured slower on the
     # H200 with "kernel" stats (docs/kernels.md, "int8_sage fused into the producer"); "torch" stats not yet timed
     "sage_route": False,
+    # the fused block's v for attention: a contiguous copy (core's v.clone()) or the qkv buffer's strided v columns
+    # (like q and k; one write of v fewer per block; not timed on the GPU yet)
+    "v_copy": True,
     # qk_norm_rope_sage's k sums / v maxima: "torch" (reductions after the launch: its q / k head loop then has no
     # cross-warp step) or "kernel" (partials in the launch; the H200 runs measured it, slower)
     "sage_stats": "torch",
@@ -431,19 +434,23 @@ def rope_table_problem(s: int, head_dim: int, freqs: torch.Tensor) -> str | None
 
 
 def qk_norm_rope(qkv: torch.Tensor, heads: int, head_dim: int, freqs: torch.Tensor, q_weight: torch.Tensor,
-                 k_weight: torch.Tensor, eps: float) -> torch.Tensor:
+                 k_weight: torch.Tensor, eps: float, copy_v: bool = True) -> torch.Tensor:
     """Core's q/k RMSNorm + partial split-half RoPE in place on ``qkv`` and a contiguous copy of v (kernel (e)).
 
     qkv [S, 3 * heads * head_dim] bf16/fp16 ([q | k | v] columns, unit column stride, the qkv GEMM output);
     freqs [1, S, 1, R/2, 2, 2] (:func:`rope_table_problem`); q_weight / k_weight [head_dim]. Returns v
-    [S, heads, head_dim] contiguous (core's ``v.clone()``); the q and k columns of qkv are overwritten. Formula:
+    [S, heads, head_dim] contiguous (core's ``v.clone()``), or with ``copy_v=False`` the v columns of qkv as a
+    strided [S, heads, head_dim] view (nothing copied); the q and k columns of qkv are overwritten. Formula:
     module docstring; eager reference :func:`qk_norm_rope_ref`. ValueError naming the argument on bad input."""
     where = "fused.qk_norm_rope"
     _qk_rope_checks(where, qkv, heads, head_dim, freqs, q_weight, k_weight, eps)
     s = qkv.shape[0]
-    v = torch.empty((s, heads, head_dim), device=qkv.device, dtype=qkv.dtype)
+    if copy_v:
+        v = torch.empty((s, heads, head_dim), device=qkv.device, dtype=qkv.dtype)
+    else:
+        v = qkv[:, 2 * heads * head_dim:].view(s, heads, head_dim)
     if s:
-        _qk_rope_launch(qkv, heads, head_dim, freqs, q_weight, k_weight, eps, v, None)
+        _qk_rope_launch(qkv, heads, head_dim, freqs, q_weight, k_weight, eps, v, None, v_part=copy_v)
     return v
 
 
@@ -467,11 +474,12 @@ def _qk_rope_checks(where, qkv, heads, head_dim, freqs, q_weight, k_weight, eps)
         raise ValueError(f"{where}: eps {eps!r}, expected a finite number >= 0")
 
 
-def _qk_rope_launch(qkv, heads, head_dim, freqs, q_weight, k_weight, eps, v, sage) -> None:
+def _qk_rope_launch(qkv, heads, head_dim, freqs, q_weight, k_weight, eps, v, sage, v_part: bool = True) -> None:
+    """The kernel's launch: programs for q, k and (``v_part``) v."""
     s = qkv.shape[0]
     bs = int(SETTINGS["rope_rows"])
     q8, qs, ks, va = sage if sage is not None else (v, v, v, v)
-    _qk_rope_kernel[(triton.cdiv(s, bs), 3)](
+    _qk_rope_kernel[(triton.cdiv(s, bs), 3 if v_part else 2)](
         qkv, v, torch.cat((q_weight.reshape(-1), k_weight.reshape(-1))), freqs, q8, qs, ks, va, s, heads, float(eps),
         qkv.stride(0), freqs.stride(1), freqs.stride(3), freqs.stride(4), freqs.stride(5), D=head_dim,
         R2=int(freqs.shape[3]), BS=bs, SAGE=sage is not None, VR=max(1, int(SETTINGS["rope_v_rows"]) // bs),
@@ -503,10 +511,10 @@ def qk_norm_rope_sage(qkv: torch.Tensor, heads: int, head_dim: int, freqs: torch
     if s and stats == "kernel":
         parts = torch.empty((triton.cdiv(s, bs), heads, head_dim), device=dev, dtype=torch.float32)
         vparts = torch.empty((triton.cdiv(s, vrows), heads, head_dim), device=dev, dtype=qkv.dtype)
-        _qk_rope_launch(qkv, heads, head_dim, freqs, q_weight, k_weight, eps, qkv, (q8, qs, parts, vparts))
+        _qk_rope_launch(qkv, heads, head_dim, freqs, q_weight, k_weight, eps, qkv, (q8, qs, parts, vparts), True)
         ksum, vamax = parts.sum(dim=0), vparts.amax(dim=0).float()
     elif s:     # the launch writes q8 / qs and k; k's column sums and v's column extrema by torch reductions
-        _qk_rope_launch(qkv, heads, head_dim, freqs, q_weight, k_weight, eps, qkv, (q8, qs, q8, q8))
+        _qk_rope_launch(qkv, heads, head_dim, freqs, q_weight, k_weight, eps, qkv, (q8, qs, q8, q8), False)
         ksum = qkv[:, inner:2 * inner].view(s, heads, head_dim).sum(dim=0, dtype=torch.float32)
         vmin, vmax = torch.aminmax(qkv[:, 2 * inner:].view(s, heads, head_dim), dim=0)
         vamax = torch.maximum(vmax.float(), -vmin.float())
@@ -639,10 +647,11 @@ class EagerOps:
         return quantize_rows(x)
 
     @staticmethod
-    def qk_norm_rope(qkv, heads, head_dim, freqs, q_weight, k_weight, eps):
+    def qk_norm_rope(qkv, heads, head_dim, freqs, q_weight, k_weight, eps, copy_v=True):
         new = qk_norm_rope_ref(qkv, heads, head_dim, freqs, q_weight, k_weight, eps, dtype=torch.float32)
         qkv.copy_(new)
-        return qkv[:, 2 * heads * head_dim:].reshape(qkv.shape[0], heads, head_dim).clone()
+        v = qkv[:, 2 * heads * head_dim:].view(qkv.shape[0], heads, head_dim)
+        return v.clone() if copy_v else v
 
     gemm = staticmethod(fp8_gemm_ref)
 

@@ -464,8 +464,8 @@ def fused_forward(block, x, t_emb, mod_segments, rope_freqs, transformer_options
             y = _project(at.out_proj, plans["attn.out_proj"], None, lambda: res[0], x, ops, routes)
         del res
     else:
-        # core's rms_rope_split_half_ on the q / k columns and v.clone(), in one launch
-        v = ops.qk_norm_rope(qkv, heads, dh, rope_freqs, qw, kw, _eps(at.q_norm, x))
+        # core's rms_rope_split_half_ on the q / k columns and v.clone() (SETTINGS["v_copy"]), in one launch
+        v = ops.qk_norm_rope(qkv, heads, dh, rope_freqs, qw, kw, _eps(at.q_norm, x), copy_v=fk.SETTINGS["v_copy"])
         q = qkv[:, :inner].view(s, heads, dh)
         k = qkv[:, inner:2 * inner].view(s, heads, dh)
         wrap = _attention_wrapper(at)

@@ -41,7 +41,7 @@ def test_fused_kernels_interpreted_on_cpu():
     from conftest import _comfyui_path     # the one ComfyUI test in it skips (loudly) without ComfyUI
 
     have_comfy = _comfyui_path() is not None
-    assert m and int(m.group(1)) == (84 if have_comfy else 83), tail
+    assert m and int(m.group(1)) == (85 if have_comfy else 84), tail
     assert "skipped" not in proc.stdout.splitlines()[-1] or not have_comfy, tail
 
 
@@ -195,6 +195,18 @@ def test_fused_block_matches_the_unfused_fp8_path(fp8_model, emulated_unfused_fp
         bf16 = _core(b)(dict(args, img=args["img"].clone()))["img"]
     r_fused, r_unfused = _rel_update(got, bf16, args["img"]), _rel_update(unfused, bf16, args["img"])
     assert 5e-3 < r_unfused < 0.15 and r_fused <= 1.25 * r_unfused, (r_fused, r_unfused)
+
+
+def test_fused_block_without_the_v_copy_is_the_same_block(fp8_model, monkeypatch):
+    """SETTINGS["v_copy"] off: attention reads v from the qkv buffer (strided like q and k): the block's output
+    does not change."""
+    from h3_turbo.runtime import fused_block as fb
+
+    b, args = _block_args(fp8_model)
+    want = _run(fb.FusedBlockPatch(b, 3, ops=fk.EAGER, devices=("cpu",)), b, args)
+    monkeypatch.setitem(fk.SETTINGS, "v_copy", False)
+    got = _run(fb.FusedBlockPatch(b, 3, ops=fk.EAGER, devices=("cpu",)), b, args)
+    assert torch.equal(got, want)
 
 
 def test_fused_block_hands_unserved_calls_to_core_bit_identically(fp8_model, caplog):

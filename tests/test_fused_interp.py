@@ -308,6 +308,16 @@ def test_qk_norm_rope_sage_is_qk_norm_rope_then_int8_sage_inputs(s, heads, d, r2
         assert float((got["q8"].int() - ref["q8"].int()).abs().float().mean()) <= 2e-3   # float64-rounded q
 
 
+def test_qk_norm_rope_without_the_v_copy():
+    """copy_v=False: the same q / k, v returned as the qkv buffer's own (strided, untouched) columns."""
+    qkv, table, qw, kw = _rope_inputs(21, 3, 64, 16, torch.bfloat16, torch.bfloat16, seed=4)
+    a, b = qkv.clone(), qkv.clone()
+    va = fk.qk_norm_rope(a, 3, 64, table, qw, kw, 1e-6)
+    vb = fk.qk_norm_rope(b, 3, 64, table, qw, kw, 1e-6, copy_v=False)
+    assert torch.equal(a, b) and torch.equal(va, vb) and vb.data_ptr() == b[:, 2 * 3 * 64:].data_ptr()
+    assert va.is_contiguous() and not vb.is_contiguous()
+
+
 def test_qk_norm_rope_sage_ignores_the_padded_rows_of_its_last_program():
     """eps = 0 and S not a multiple of the rows per program: the padded rows (0 / 0 in the norm) stay out of the
     k sums and the v maxima."""

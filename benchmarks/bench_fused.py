@@ -619,11 +619,12 @@ def block_part():
                 set_path(blk, "fp8")
                 out = {}
                 def no_v_copy():       # attention reads v from the qkv buffer (kernels.fused.SETTINGS["v_copy"])
+                    before_v = fk.SETTINGS["v_copy"]
                     fk.SETTINGS["v_copy"] = False
                     try:
                         return fused_run(to_exact)
                     finally:
-                        fk.SETTINGS["v_copy"] = True
+                        fk.SETTINGS["v_copy"] = before_v
 
                 runs = [("unfused_fp8", lambda: core_run(to_exact)), ("fused_fp8", lambda: fused_run(to_exact)),
                         ("fused_fp8_no_v_copy", no_v_copy)]
@@ -633,11 +634,12 @@ def block_part():
                     to8 = {"optimized_attention_override": i8}
 
                     def producer_route():
+                        before_r = fk.SETTINGS["sage_route"]
                         fk.SETTINGS["sage_route"] = True
                         try:
                             return fused_run(to8)
                         finally:
-                            fk.SETTINGS["sage_route"] = False
+                            fk.SETTINGS["sage_route"] = before_r
 
                     runs += [("unfused_fp8_int8_sage", lambda: core_run(to8)),
                              ("fused_fp8_int8_sage", lambda: fused_run(to8)),

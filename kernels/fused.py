@@ -70,10 +70,11 @@ SETTINGS = {
     # (like q and k; one write of v fewer per block; not timed on the GPU yet)
     "v_copy": True,
     # qk_norm_rope_sage's k sums / v maxima: "torch" (reductions after the launch: its q / k head loop then has no
-    # cross-warp step) or "kernel" (partials in the launch; the H200 runs measured it, slower)
+    # cross-warp step) or "kernel" (partials in the launch: what the H200 runs of the route measured; the two are not
+    # yet timed against each other)
     "sage_stats": "torch",
-    "rope_v_rows": 8,        # rows per v program of qk_norm_rope_sage (its column max |v|; a multiple of rope_rows;
-                             # H200: 8 < 64 < 256, a longer loop per program is latency-bound)
+    "rope_v_rows": 8,        # rows per v program of qk_norm_rope_sage with "kernel" stats (its column max |v|; a
+                             # multiple of rope_rows; H200: 8 < 64 < 256, a longer loop per program is latency-bound)
     "gate_block": 2048,
     "gate_warps": 4,
 }
@@ -238,7 +239,7 @@ if triton is not None:
         row_base = x_ptr + r64[:, None] * stride_x
         if part == 2:
             if SAGE:
-                pv = tl.program_id(0) if STATS else S
+                pv = tl.program_id(0)
                 if pv * (BS * VR) < S:
                     for h in range(0, H):
                         acc = tl.zeros([D], dtype=tl.float32)
@@ -474,8 +475,12 @@ def _qk_rope_checks(where, qkv, heads, head_dim, freqs, q_weight, k_weight, eps)
         raise ValueError(f"{where}: eps {eps!r}, expected a finite number >= 0")
 
 
-def _qk_rope_launch(qkv, heads, head_dim, freqs, q_weight, k_weight, eps, v, sage, v_part: bool = True) -> None:
-    """The kernel's launch: programs for q, k and (``v_part``) v."""
+def _qk_rope_launch(qkv, heads, head_dim, freqs, q_weight, k_weight, eps, v, sage, v_part: bool = True,
+                    stats: bool = False) -> None:
+    """The kernel's launch: programs for q, k and (``v_part``) v; ``sage`` = (q8, qs, k partial sums, v partial
+    maxima) or None; ``stats``: the SAGE launch writes those partials (then the v programs must run)."""
+    if sage is not None and stats != v_part:
+        raise ValueError("fused._qk_rope_launch: the in-launch statistics need the v programs (stats == v_part)")
     s = qkv.shape[0]
     bs = int(SETTINGS["rope_rows"])
     q8, qs, ks, va = sage if sage is not None else (v, v, v, v)
@@ -483,7 +488,7 @@ def _qk_rope_launch(qkv, heads, head_dim, freqs, q_weight, k_weight, eps, v, sag
         qkv, v, torch.cat((q_weight.reshape(-1), k_weight.reshape(-1))), freqs, q8, qs, ks, va, s, heads, float(eps),
         qkv.stride(0), freqs.stride(1), freqs.stride(3), freqs.stride(4), freqs.stride(5), D=head_dim,
         R2=int(freqs.shape[3]), BS=bs, SAGE=sage is not None, VR=max(1, int(SETTINGS["rope_v_rows"]) // bs),
-        STATS=SETTINGS["sage_stats"] == "kernel", HP=triton.next_power_of_2(heads), INTERP=INTERPRET,
+        STATS=bool(stats), HP=triton.next_power_of_2(heads), INTERP=INTERPRET,
         num_warps=4 if INTERPRET else SETTINGS["rope_warps"])
 
 
@@ -511,10 +516,11 @@ def qk_norm_rope_sage(qkv: torch.Tensor, heads: int, head_dim: int, freqs: torch
     if s and stats == "kernel":
         parts = torch.empty((triton.cdiv(s, bs), heads, head_dim), device=dev, dtype=torch.float32)
         vparts = torch.empty((triton.cdiv(s, vrows), heads, head_dim), device=dev, dtype=qkv.dtype)
-        _qk_rope_launch(qkv, heads, head_dim, freqs, q_weight, k_weight, eps, qkv, (q8, qs, parts, vparts), True)
+        _qk_rope_launch(qkv, heads, head_dim, freqs, q_weight, k_weight, eps, qkv, (q8, qs, parts, vparts), True,
+                        stats=True)
         ksum, vamax = parts.sum(dim=0), vparts.amax(dim=0).float()
     elif s:     # the launch writes q8 / qs and k; k's column sums and v's column extrema by torch reductions
-        _qk_rope_launch(qkv, heads, head_dim, freqs, q_weight, k_weight, eps, qkv, (q8, qs, q8, q8), False)
+        _qk_rope_launch(qkv, heads, head_dim, freqs, q_weight, k_weight, eps, qkv, (q8, qs, q8, q8), False, stats=False)
         ksum = qkv[:, inner:2 * inner].view(s, heads, head_dim).sum(dim=0, dtype=torch.float32)
         vmin, vmax = torch.aminmax(qkv[:, 2 * inner:].view(s, heads, head_dim), dim=0)
         vamax = torch.maximum(vmax.float(), -vmin.float())

@@ -435,6 +435,7 @@ def fused_forward(block, x, t_emb, mod_segments, rope_freqs, transformer_options
         # here and writes e4m3 for an fp8 out_proj (a failure disables this route, logged once, and reruns the block:
         # x is not modified before the fc1 producer)
         override, cfg = sage
+        failed = None
         try:
             prep = ops.qk_norm_rope_sage(qkv, heads, dh, rope_freqs, qw, kw, _eps(at.q_norm, x))
             k4 = qkv[:, inner:2 * inner].view(s, heads, dh).transpose(0, 1).unsqueeze(0)
@@ -443,13 +444,15 @@ def fused_forward(block, x, t_emb, mod_segments, rope_freqs, transformer_options
             res = _int8_kernels().sage_attention_prequantized(prep["q8"], prep["qs"], k4, v4, prep["ksum"],
                                                               prep["vamax"], config=cfg, out_fp8=fp8_out)
         except Exception as e:  # noqa: BLE001 - e.g. a Triton build failure on this GPU
-            why = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
-            _SAGE_OFF[x.device.type] = why
-            log_once(("fused_sage_failed", why), "H3 Turbo fused block: the fused int8_sage route failed (%s) -> "
-                     "this process runs qk_norm_rope + the int8_sage override instead", why, level=logging.WARNING)
-            # rerun the block without the route (x is unchanged so far): free this attempt's buffers first and count
-            # its qkv projection once (a Turbo branch folded into qkv counts this call twice: a one-time failure)
-            qkv = prep = None
+            failed = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
+        if failed is not None:
+            # outside the except block (its traceback would keep the attempt's buffers alive): free them, count the
+            # qkv projection once (a Turbo branch folded into qkv counts this call twice: a one-time failure) and
+            # rerun the block without the route (x is unchanged so far)
+            _SAGE_OFF[x.device.type] = failed
+            log_once(("fused_sage_failed", failed), "H3 Turbo fused block: the fused int8_sage route failed (%s) -> "
+                     "this process runs qk_norm_rope + the int8_sage override instead", failed, level=logging.WARNING)
+            qkv = prep = k4 = v4 = None
             routes.clear()
             routes.update(routes_before)
             return fused_forward(block, x, t_emb, mod_segments, rope_freqs, transformer_options, plans, ops, routes)

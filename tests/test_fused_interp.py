@@ -318,9 +318,12 @@ def test_qk_norm_rope_without_the_v_copy():
     assert va.is_contiguous() and not vb.is_contiguous()
 
 
-def test_qk_norm_rope_sage_ignores_the_padded_rows_of_its_last_program():
-    """eps = 0 and S not a multiple of the rows per program: the padded rows (0 / 0 in the norm) stay out of the
-    k sums and the v maxima."""
+@pytest.mark.parametrize("stats", ["kernel", "torch"])
+def test_qk_norm_rope_sage_ignores_the_padded_rows_of_its_last_program(stats, monkeypatch):
+    """eps = 0 and S not a multiple of the rows per program (nor of the v programs' rows): the padded rows (0 / 0 in
+    the norm) stay out of the k sums and the v maxima."""
+    monkeypatch.setitem(fk.SETTINGS, "sage_stats", stats)
+    monkeypatch.setitem(fk.SETTINGS, "rope_v_rows", 16)
     qkv, table, qw, kw = _rope_inputs(13, 2, 64, 16, torch.bfloat16, torch.bfloat16, seed=2)
     got = fk.qk_norm_rope_sage(qkv.clone(), 2, 64, table, qw, kw, 0.0)
     assert torch.isfinite(got["ksum"]).all() and torch.isfinite(got["vamax"]).all() and torch.isfinite(got["qs"]).all()

@@ -290,16 +290,22 @@ def kernels_part():
             t = bench(lambda: tk.quant_rows_fp8(a))
             return {"ms_quant_rows_fp8": t, "bytes_min": bytes_, "gbps": bytes_ / t / 1e6}
 
-        def k_qk_rope():
-            import comfy.quant_ops
+        def rope_problem():
+            """A qkv GEMM output [s, 3 * 56 * 128], core's rotation table (96 of 128 dims) and q/k norm weights."""
             import comfy.ldm.minimax.model as mm_h3
 
-            inner = HEADS * HD
-            qkv0 = mk(s, 3 * inner, 3.0)
+            qkv0 = mk(s, 3 * HEADS * HD, 3.0)
             ang = torch.randn(s, 96, device=DEV, generator=g) * 20.0
             table = mm_h3.rope_rotation_table(torch.cat((ang[:, :48], ang[:, :48]), 1), BF16)
             qw = (1.0 + 0.2 * torch.randn(HD, device=DEV, generator=g)).to(BF16)
             kw = (1.0 + 0.2 * torch.randn(HD, device=DEV, generator=g)).to(BF16)
+            return qkv0, table, qw, kw
+
+        def k_qk_rope():
+            import comfy.quant_ops
+
+            inner = HEADS * HD
+            qkv0, table, qw, kw = rope_problem()
             bufs = [qkv0.clone(), qkv0.clone()]
 
             def unfused(b=bufs[0]):     # core's Attention: kitchen RMSNorm+RoPE in place, then v.clone()
@@ -340,17 +346,11 @@ def kernels_part():
             """qkv GEMM output -> out_proj's e4m3 input with int8_sage attention: unfused (qk_norm_rope + v copy,
             the backend's Q pre-kernel, K/V statistics and quantization, kernel, bf16 output, quant_rows) vs fused
             (qk_norm_rope_sage, K/V quantization from its sums, kernel with Q_ROW and e4m3 output)."""
-            import comfy.ldm.minimax.model as mm_h3
-
             from h3_turbo.kernels.attention import int8_kernels as K
             from h3_turbo.kernels.attention.reference import accuracy, reference_attention
 
             inner = HEADS * HD
-            qkv0 = mk(s, 3 * inner, 3.0)
-            ang = torch.randn(s, 96, device=DEV, generator=g) * 20.0
-            table = mm_h3.rope_rotation_table(torch.cat((ang[:, :48], ang[:, :48]), 1), BF16)
-            qw = (1.0 + 0.2 * torch.randn(HD, device=DEV, generator=g)).to(BF16)
-            kw = (1.0 + 0.2 * torch.randn(HD, device=DEV, generator=g)).to(BF16)
+            qkv0, table, qw, kw = rope_problem()
             tuned = K.tuned_config(DEV, s)
             if DRY:
                 tuned = dict(tuned, BLOCK_M=64, BLOCK_N=64)

@@ -365,26 +365,16 @@ def _sage_route(transformer_options, x, head_dim: int, ops):
 
     if not isinstance(ov, int8_sage.Int8SageAttention):
         return None
-    K = _int8_kernels()
-    why = None
     if not hasattr(ops, "qk_norm_rope_sage"):
         why = f"the {getattr(ops, 'name', type(ops).__name__)} ops have no qk_norm_rope_sage"
     elif x.device.type in _SAGE_OFF:
         why = f"the fused route failed earlier in this process ({_SAGE_OFF[x.device.type]})"
-    elif K.triton is None:
-        why = f"triton unavailable ({K._TRITON_ERROR})"
-    elif x.device.type not in ov.devices:
-        why = f"the override does not run on {x.device.type}"
-    elif head_dim not in K.SUPPORTED_HEAD_DIMS or x.dtype not in K.SUPPORTED_DTYPES:
-        why = f"head dim {head_dim} / dtype {x.dtype}"
+    else:
+        why = ov.kernel_problem(x.device, x.dtype, head_dim)
     if why is None:
-        c = dict(ov.config) if ov.config is not None else K.tuned_config(x.device, x.shape[0])
-        if c["V_MEAN"] or not c["PV_FP8"]:
+        why, c = ov.config_for(x.device, x.shape[0])
+        if why is None and (c["V_MEAN"] or not c["PV_FP8"]):
             why = "its configuration has V_MEAN on or PV_FP8 off"
-        else:
-            no_fp8 = int8_sage._no_fp8_reason(x.device) if x.device.type == "cuda" else None
-            if no_fp8 is not None:
-                why = no_fp8
     if why is not None:
         log_once(("fused_sage", why), "H3 Turbo fused block: int8_sage attention not fused into the block (%s) -> "
                  "core's attention call with the int8_sage override", why)

@@ -401,9 +401,7 @@ def kv_stats(k: torch.Tensor, v: torch.Tensor, v_mean: bool = True, pv_fp8: bool
         vm = torch.zeros(B * H, D, device=v.device, dtype=torch.float32)
     if pv_fp8:
         vmin, vmax = torch.aminmax(v, dim=2)
-        amax = torch.maximum(vmax.reshape(B * H, D).float() - vm, vm - vmin.reshape(B * H, D).float())
-        vs = amax / FP8_MAX
-        vinv = torch.where(amax > 0, FP8_MAX / amax, torch.zeros_like(amax))
+        vs, vinv = _v_scales(torch.maximum(vmax.reshape(B * H, D).float() - vm, vm - vmin.reshape(B * H, D).float()))
     else:
         vs = torch.ones(B * H, D, device=v.device, dtype=torch.float32)
         vinv = vs
@@ -414,9 +412,13 @@ def stats_from_sums(ksum: torch.Tensor, vamax: torch.Tensor, n: int):
     """:func:`kv_stats` (``V_MEAN`` off, fp8 P V) from a producer's sums: ``ksum`` [B*H, D] float32 (the sum of k
     over its ``n`` tokens), ``vamax`` [B*H, D] float32 (max |v| over the tokens) -> (km, vm, vs, vinv)."""
     km = ksum / float(n)
-    vs = vamax / FP8_MAX
-    vinv = torch.where(vamax > 0, FP8_MAX / vamax, torch.zeros_like(vamax))
+    vs, vinv = _v_scales(vamax)
     return km.contiguous(), torch.zeros_like(km), vs.contiguous(), vinv.contiguous()
+
+
+def _v_scales(amax: torch.Tensor):
+    """V's per-channel e4m3 dequant scale ``amax / 448`` and quant factor ``448 / amax`` (0 where amax is 0)."""
+    return amax / FP8_MAX, torch.where(amax > 0, FP8_MAX / amax, torch.zeros_like(amax))
 
 
 def quantize_kv(k: torch.Tensor, v: torch.Tensor, config: dict | None = None, stats=None):

@@ -62,6 +62,26 @@ class Int8SageAttention:
         self.calls = 0
         self.fallbacks = 0
 
+    def kernel_problem(self, device: torch.device, dtype: torch.dtype, head_dim: int) -> str | None:
+        """Why the 8-bit kernel cannot take inputs of ``dtype`` / ``head_dim`` on ``device`` (Triton, the device
+        type, dtype, head dim), or None. Used by this override and by the fused block's producer route."""
+        K = _kernels()
+        if K.triton is None:
+            return f"triton unavailable ({K._TRITON_ERROR})"
+        if device.type not in self.devices:
+            return device_reason(device)
+        if dtype not in K.SUPPORTED_DTYPES:
+            return f"dtype {dtype} (8-bit kernel takes bf16/fp16)"
+        if head_dim not in K.SUPPORTED_HEAD_DIMS:
+            return f"head dim {head_dim} (8-bit kernel takes {K.SUPPORTED_HEAD_DIMS})"
+        return None
+
+    def config_for(self, device: torch.device, lk: int) -> tuple[str | None, dict]:
+        """(None or why a GPU without FP8 tensor cores cannot run it, the launch configuration for ``lk`` keys)."""
+        K = _kernels()
+        c = self.config if self.config is not None else K.tuned_config(device, lk)
+        return (_no_fp8_reason(device) if c["PV_FP8"] else None), c
+
     def _fall(self, reason: str, func, args, kwargs):
         log_once(("attention", NAME, reason), "H3 Turbo attention 'int8_sage': %s -> exact attention", reason,
                  level=logging.INFO)
@@ -76,18 +96,15 @@ class Int8SageAttention:
         if isinstance(call, str):
             return self._fall(call, func, args, kwargs)
         q4, k4, v4 = call.q, call.k, call.v
-        if q4.dtype not in K.SUPPORTED_DTYPES:
-            return self._fall(f"dtype {q4.dtype} (8-bit kernel takes bf16/fp16)", func, args, kwargs)
         B, H, Lq, D = q4.shape
-        if D not in K.SUPPORTED_HEAD_DIMS:
-            return self._fall(f"head dim {D} (8-bit kernel takes {K.SUPPORTED_HEAD_DIMS})", func, args, kwargs)
+        why = self.kernel_problem(q4.device, q4.dtype, D)
+        if why is not None:
+            return self._fall(why, func, args, kwargs)
         if k4.shape[:2] != (B, H) or v4.shape != k4.shape or k4.shape[-1] != D:
             return self._fall("q/k/v shapes differ (GQA or mismatched layout)", func, args, kwargs)
         if Lq < 1 or k4.shape[2] < 1:
             return self._fall("empty sequence", func, args, kwargs)
-        dev = q4.device
-        c = self.config if self.config is not None else K.tuned_config(dev, k4.shape[2])
-        no_fp8 = _no_fp8_reason(dev) if c["PV_FP8"] else None
+        no_fp8, c = self.config_for(q4.device, k4.shape[2])
         if no_fp8 is not None:
             return self._fall(no_fp8, func, args, kwargs)
         layout = "bhld" if call.skip_output_reshape else "blhd"

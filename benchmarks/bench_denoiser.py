@@ -624,7 +624,11 @@ def run_family(family, path, lname, inputs, sd_gpu, dev):
             variants.append((f"{family}_{a}_turbo4", nattn.H3TurboAttention.execute(tm, a).args[0]))
             variants.append((f"{family}_{a}", nattn.H3TurboAttention.execute(shifted, a).args[0]))
         if FUSED and family == "ours_fp8":
+            from h3_turbo.kernels import fused as fk
             from h3_turbo.runtime import fused_block
+
+            if FUSED_SAGE:
+                fk.SETTINGS["sage_route"] = True
 
             for name, vm in list(variants):
                 stem, sfx = (name[:-7], "_turbo4") if name.endswith("_turbo4") else (name, "")
@@ -704,10 +708,6 @@ ATTN = [a for a in os.environ.get("ATTN", "int8_sage,exact").split(",") if a]
 FWD_REPS = int(os.environ.get("FWD_REPS", 1))
 FUSED = os.environ.get("FUSED") == "1"     # ours_fp8 also with the fused DiT blocks (runtime/fused_block.py)
 FUSED_SAGE = os.environ.get("FUSED_SAGE") == "1"   # ... with their int8_sage producer route on (kernels.fused.SETTINGS)
-if FUSED_SAGE:
-    from h3_turbo.kernels import fused as _fk
-
-    _fk.SETTINGS["sage_route"] = True
 TEXT = int(os.environ.get("TEXT", 16 if DRY else 300))
 SEED = 42
 

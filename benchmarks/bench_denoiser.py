@@ -34,7 +34,8 @@ Env: OUT, TAG (json name, default denoiser_h200), DRY=1 (CPU, tiny widths: check
 blocks; default 50, DRY 3), SHAPES (comma list WxHxF, default 960x544x124), FAMILIES (comma list, default
 core_bf16,core_nvfp4,ours_exact,ours_fp8), CONFIGS (comma list of configuration names to run, default all),
 FWD_REPS (default 1), FUSED=1 (ours_fp8 also with the fused DiT blocks: ``<name>_fused``; FUSED_SAGE=1: with their
-int8_sage producer route, ``kernels.fused.SETTINGS["sage_route"]``), PROFILE (comma list of
+int8_sage producer route, ``kernels.fused.SETTINGS["sage_route"]``; 0: off; ab: both in one process, the route-on
+rows named ``<name>_fused_sage``), PROFILE (comma list of
 configuration names), DEADLINE (s since start after which no
 new configuration starts), CKPT_DIR (where the checkpoint is written), COMFY_ARGS (default --highvram on the
 GPU: offload device = GPU, so unloading a family moves nothing), PLOT=1 (write the PNG at the end),
@@ -568,6 +569,8 @@ def run_family(family, path, lname, inputs, sd_gpu, dev):
         [f"{family}_{a}{s}" for a in ATTN for s in ("_turbo4", "")]
     if FUSED and family == "ours_fp8":
         names += [n.replace(f"_{a}", f"_{a}_fused", 1) for n in list(names) for a in ATTN if f"_{a}" in n]
+        if FUSED_SAGE == "ab":
+            names += [n.replace("_fused", "_fused_sage", 1) for n in names if "_int8_sage_fused" in n]
     if CONFIGS and not any(c.split("@")[0] in names for c in CONFIGS):
         mark(f"skip family {family}: none of its configurations {names} is in CONFIGS")
         return
@@ -627,14 +630,20 @@ def run_family(family, path, lname, inputs, sd_gpu, dev):
             from h3_turbo.kernels import fused as fk
             from h3_turbo.runtime import fused_block
 
-            if FUSED_SAGE:
-                fk.SETTINGS["sage_route"] = True
+            if FUSED_SAGE in ("0", "1"):
+                fk.SETTINGS["sage_route"] = FUSED_SAGE == "1"
 
             for name, vm in list(variants):
                 stem, sfx = (name[:-7], "_turbo4") if name.endswith("_turbo4") else (name, "")
                 variants.append((f"{stem}_fused{sfx}", fused_block.apply(vm, "fp8")))
+                if FUSED_SAGE == "ab" and "_int8_sage" in stem:     # the same MODEL, the producer route on
+                    variants.append((f"{stem}_fused_sage{sfx}", variants[-1][1]))
     for inp in inputs:
         for name, m in variants:
+            if FUSED_SAGE == "ab":
+                from h3_turbo.kernels import fused as fk
+
+                fk.SETTINGS["sage_route"] = "_fused_sage" in name
             run_config(name, m, sampler, sigmas, inp, fam_base, est_for(family, inp))
     del variants, base, shifted
     drop_all()
@@ -707,7 +716,8 @@ PROFILE = [c for c in os.environ.get("PROFILE", "").split(",") if c]
 ATTN = [a for a in os.environ.get("ATTN", "int8_sage,exact").split(",") if a]
 FWD_REPS = int(os.environ.get("FWD_REPS", 1))
 FUSED = os.environ.get("FUSED") == "1"     # ours_fp8 also with the fused DiT blocks (runtime/fused_block.py)
-FUSED_SAGE = os.environ.get("FUSED_SAGE") == "1"   # ... with their int8_sage producer route on (kernels.fused.SETTINGS)
+FUSED_SAGE = os.environ.get("FUSED_SAGE", "")   # 1 / 0: the fused blocks' int8_sage producer route on / off
+#                                                 (kernels.fused.SETTINGS); ab: both, as <name>_fused / <name>_fused_sage
 TEXT = int(os.environ.get("TEXT", 16 if DRY else 300))
 SEED = 42
 

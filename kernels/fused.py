@@ -63,12 +63,12 @@ SETTINGS = {
     "swiglu_warps": 8,
     "rope_rows": 8,          # rows per qk_norm_rope program (it loops over the heads; H200: 8 < 16, 32)
     "rope_warps": 4,
-    # the fused block's int8_sage route (qk_norm_rope_sage + sage_attention_prequantized): off, measured slower on the
-    # H200 with "kernel" stats (docs/kernels.md, "int8_sage fused into the producer"); "torch" stats not yet timed
-    "sage_route": False,
+    # the fused block's int8_sage producer route (qk_norm_rope_sage + sage_attention_prequantized; docs/kernels.md,
+    # "int8_sage fused into the producer"): H200, 19 584 rows, "torch" stats: 13.11 vs 13.54 ms per attention chain
+    "sage_route": True,
     # the fused block's v for attention: a contiguous copy (core's v.clone()) or the qkv buffer's strided v columns
-    # (like q and k; one write of v fewer per block; not timed on the GPU yet)
-    "v_copy": True,
+    # (like q and k): H200 block with cuDNN attention 29.99 vs 30.75 ms, the same output error
+    "v_copy": False,
     # qk_norm_rope_sage's k sums / v maxima: "torch" (reductions after the launch: its q / k head loop then has no
     # cross-warp step) or "kernel" (partials in the launch: what the H200 runs of the route measured; the two are not
     # yet timed against each other)

@@ -198,11 +198,13 @@ def test_fused_block_matches_the_unfused_fp8_path(fp8_model, emulated_unfused_fp
 
 
 def test_fused_block_without_the_v_copy_is_the_same_block(fp8_model, monkeypatch):
-    """SETTINGS["v_copy"] off: attention reads v from the qkv buffer (strided like q and k): the block's output
-    does not change."""
+    """SETTINGS["v_copy"] off (the default): attention reads v from the qkv buffer (strided like q and k): the block's
+    output is the one with core's copy of v."""
     from h3_turbo.runtime import fused_block as fb
 
     b, args = _block_args(fp8_model)
+    assert not fk.SETTINGS["v_copy"]                      # the default
+    monkeypatch.setitem(fk.SETTINGS, "v_copy", True)
     want = _run(fb.FusedBlockPatch(b, 3, ops=fk.EAGER, devices=("cpu",)), b, args)
     monkeypatch.setitem(fk.SETTINGS, "v_copy", False)
     got = _run(fb.FusedBlockPatch(b, 3, ops=fk.EAGER, devices=("cpu",)), b, args)

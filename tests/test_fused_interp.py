@@ -399,7 +399,9 @@ def test_fused_block_runs_int8_sage_fused_on_the_producer(comfy, monkeypatch):
         return out, patch
 
     ref, _ = run(None, {"optimized_attention_override": exact.cpu_exact()}, path="exact")
-    off, p0 = run(_CpuTritonOps(), {"optimized_attention_override": ov})       # the default: the route is off
+    assert fk.SETTINGS["sage_route"]                                            # the default: the route is on
+    monkeypatch.setitem(fk.SETTINGS, "sage_route", False)
+    off, p0 = run(_CpuTritonOps(), {"optimized_attention_override": ov})       # route off
     assert p0.calls == 1 and "sage" not in p0.routes and ov.calls == 1
     monkeypatch.setitem(fk.SETTINGS, "sage_route", True)
     for st in ("torch", "kernel"):

@@ -24,10 +24,11 @@ Three parts, each saved to ``$OUT/$TAG.json`` after every step (default TAG benc
    compute ``exact`` (the reference), each with the ``exact`` attention backend (cuDNN SDPA); Turbo off and on
    (a stand-in for the Turbo branch with the official ranks, qkv 384 / others 128, exposing the branch's fused
    interface: ``h3turbo_lora_forward`` for the unfused block, ``h3turbo_lora_operands`` for the fused one).
-   On CUDA also core's block and the fused block with the ``int8_sage`` override, the fused block both with core's
-   attention call (its default) and with its producer route (``fused_fp8_int8_sage_producer``:
-   ``kernels.fused.SETTINGS["sage_route"]`` on); ``fused_fp8_no_v_copy``: the fused block with attention reading v
-   from the qkv buffer (``SETTINGS["v_copy"]`` off). Reports ms/block (median of REPS), the torch-profiler categories (GEMM, attention, the
+   Each fused row sets the ``kernels.fused.SETTINGS`` it compares: ``fused_fp8`` with core's copy of v
+   (``v_copy`` on), ``fused_fp8_no_v_copy`` attention reading v from the qkv buffer (off, the default); on CUDA
+   also core's block and the fused block with the ``int8_sage`` override, through core's attention call
+   (``fused_fp8_int8_sage``: ``sage_route`` off) and with the producer route (``fused_fp8_int8_sage_producer``:
+   on, the default). Reports ms/block (median of REPS), the torch-profiler categories (GEMM, attention, the
    harness's own input copy ``memcpy``, everything else = non-GEMM non-attention ms/block), relative L2 of the output and of the block's update (out - x) against ``exact``;
    with FP8_ATTN=1 (default) and the frontend importable also the fused block with ``cudnn_fp8`` attention.
 3. ``attention``: ``cudnn_fp8`` (through its override: amax + casts + kernel + dequantize; and the e4m3 output
@@ -618,32 +619,26 @@ def block_part():
                 ref = core_run(to_exact)
                 set_path(blk, "fp8")
                 out = {}
-                def no_v_copy():       # attention reads v from the qkv buffer (kernels.fused.SETTINGS["v_copy"])
-                    before_v = fk.SETTINGS["v_copy"]
-                    fk.SETTINGS["v_copy"] = False
-                    try:
-                        return fused_run(to_exact)
-                    finally:
-                        fk.SETTINGS["v_copy"] = before_v
+                def fused_with(to, **settings):    # the fused block under explicit kernels.fused.SETTINGS
+                    def run_():
+                        before = {k: fk.SETTINGS[k] for k in settings}
+                        fk.SETTINGS.update(settings)
+                        try:
+                            return fused_run(to)
+                        finally:
+                            fk.SETTINGS.update(before)
+                    return run_
 
-                runs = [("unfused_fp8", lambda: core_run(to_exact)), ("fused_fp8", lambda: fused_run(to_exact)),
-                        ("fused_fp8_no_v_copy", no_v_copy)]
+                runs = [("unfused_fp8", lambda: core_run(to_exact)),
+                        ("fused_fp8", fused_with(to_exact, v_copy=True)),
+                        ("fused_fp8_no_v_copy", fused_with(to_exact, v_copy=False))]
                 if CUDA:     # int8_sage: core's block; the fused block with core's attention call (the default) and
-                    # with the producer route (kernels.fused.SETTINGS["sage_route"], off by default)
+                    # with the producer route (kernels.fused.SETTINGS["sage_route"]; the default)
                     i8 = int8_sage.int8_override()
                     to8 = {"optimized_attention_override": i8}
-
-                    def producer_route():
-                        before_r = fk.SETTINGS["sage_route"]
-                        fk.SETTINGS["sage_route"] = True
-                        try:
-                            return fused_run(to8)
-                        finally:
-                            fk.SETTINGS["sage_route"] = before_r
-
                     runs += [("unfused_fp8_int8_sage", lambda: core_run(to8)),
-                             ("fused_fp8_int8_sage", lambda: fused_run(to8)),
-                             ("fused_fp8_int8_sage_producer", producer_route)]
+                             ("fused_fp8_int8_sage", fused_with(to8, sage_route=False)),
+                             ("fused_fp8_int8_sage_producer", fused_with(to8, sage_route=True))]
                 if FP8_ATTN and cudnn_fp8.frontend() is not None and CUDA:
                     c8 = cudnn_fp8.cudnn_fp8_override()
                     runs += [("unfused_fp8_cudnn_fp8", lambda: core_run({"optimized_attention_override": c8})),

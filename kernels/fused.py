@@ -25,8 +25,8 @@ already hold, instead of writing bf16 and quantizing it in a separate pass:
   :func:`qk_norm_rope_ref`), replacing its kernel plus the copy of v.
 - :func:`qk_norm_rope_sage` (f): (e) producing the ``int8_sage`` backend's inputs instead of q in place and the v
   copy: q as INT8 per (row, head) with ``max|q_row| / 127`` scales, k rotated in place with its column sums, v's
-  column max |v| (eager reference :func:`qk_norm_rope_sage_ref`); the fused block's producer route, off by default
-  (``SETTINGS["sage_route"]``; measured slower, docs/kernels.md).
+  column max |v| (eager reference :func:`qk_norm_rope_sage_ref`); the fused block's producer route
+  (``SETTINGS["sage_route"]``, on by default; measurements: docs/kernels.md).
 - :func:`fp8_gemm`: rowwise ``torch._scaled_mm`` on an already quantized input (the ``fp8`` path's GEMM without
   its quantization pass); :func:`fp8_gemm_ref` its fp32 emulation.
 

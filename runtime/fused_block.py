@@ -32,7 +32,7 @@ offering its fused operands: then the adapter is folded into the layer's e4m3 we
 ``fp8_slot`` route) and the pre-quantized input is used (the branch sees the block's unsmoothed activation: the
 producer's input is what core would hand the layer).
 
-With ``kernels.fused.SETTINGS["sage_route"]`` on (default off: measured slower on the H200, docs/kernels.md) and the
+With ``kernels.fused.SETTINGS["sage_route"]`` on (the default: measured faster on the H200, docs/kernels.md) and the
 MODEL's attention override the pack's ``int8_sage``, the RMSNorm + RoPE launch also quantizes Q per row and takes the
 K/V statistics (``qk_norm_rope_sage``), the backend's kernel runs here (``sage_attention_prequantized``) and writes
 out_proj's e4m3 input (:func:`_sage_route`).
@@ -353,8 +353,7 @@ def _dequantized(x8, sx, dtype):
 
 
 def _sage_route(transformer_options, x, head_dim: int, ops):
-    """(override, config) when ``kernels.fused.SETTINGS["sage_route"]`` is on (default off: measured slower, see
-    docs/kernels.md), the MODEL's attention override is the pack's ``int8_sage`` and its kernel can take this block's
+    """(override, config) when ``kernels.fused.SETTINGS["sage_route"]`` is on (the default; docs/kernels.md), the MODEL's attention override is the pack's ``int8_sage`` and its kernel can take this block's
     call fused (:func:`kernels.fused.qk_norm_rope_sage` + ``sage_attention_prequantized``); else None (core's
     attention call with that override). With the setting on, the reason an ``int8_sage`` call is not taken is logged
     once."""

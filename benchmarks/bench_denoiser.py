@@ -35,7 +35,8 @@ blocks; default 50, DRY 3), SHAPES (comma list WxHxF, default 960x544x124), FAMI
 core_bf16,core_nvfp4,ours_exact,ours_fp8), CONFIGS (comma list of configuration names to run, default all),
 FWD_REPS (default 1), FUSED=1 (ours_fp8 also with the fused DiT blocks: ``<name>_fused``; FUSED_SAGE=1: with their
 int8_sage producer route, ``kernels.fused.SETTINGS["sage_route"]``; 0: off; ab: both in one process, the route-on
-rows named ``<name>_fused_sage``), PROFILE (comma list of
+rows named ``<name>_fused_sage``), SETTINGS_B (a JSON dict of ``kernels.fused.SETTINGS``: every ``_fused`` row runs
+again, the same MODEL, with these settings as ``<name>_fused_b``; an A/B in one process), PROFILE (comma list of
 configuration names), DEADLINE (s since start after which no
 new configuration starts), CKPT_DIR (where the checkpoint is written), COMFY_ARGS (default --highvram on the
 GPU: offload device = GPU, so unloading a family moves nothing), PLOT=1 (write the PNG at the end),
@@ -457,7 +458,21 @@ def profile_forward(m, inp, name):
         p[0] += (t - s) / 1e3
         p[1] += 1
     busy, span = 0.0, 0.0
+    gaps_hist, top_gaps = {}, []
     if kern:
+        # where the GPU idles: gaps between one kernel's end (the latest so far) and the next start, by size
+        ordered = sorted(kern, key=lambda e: e[1])
+        end, prev, found = ordered[0][2], ordered[0][0], []
+        for i, (nm, s0, t0) in enumerate(ordered[1:], 1):
+            if s0 > end:
+                found.append(((s0 - end) / 1e3, prev[:60], nm[:60], round(i / len(ordered), 3)))
+            if t0 >= end:
+                end, prev = t0, nm
+        for lo, hi in ((0, 0.002), (0.002, 0.005), (0.005, 0.01), (0.01, 0.05), (0.05, 0.2), (0.2, 1e9)):
+            sel = [g[0] for g in found if lo <= g[0] < hi]
+            gaps_hist[f"{lo * 1e3:g}-{hi * 1e3:g}us"] = [len(sel), round(sum(sel), 3)]
+        top_gaps = [{"ms": round(g[0], 3), "after": g[1], "before": g[2], "at": g[3]}
+                    for g in sorted(found, key=lambda g: -g[0])[:8]]
         iv = sorted((s, t) for _, s, t in kern)
         span = (iv[-1][1] - iv[0][0]) / 1e3
         cs, ce = iv[0]
@@ -477,7 +492,7 @@ def profile_forward(m, inp, name):
                 per[ka.key] = [t / 1e3, ka.count, c]
     top = sorted(per.items(), key=lambda kv: -kv[1][0])[:40]
     r = {"wall_ms": round(wall * 1e3, 2), "gpu_span_ms": round(span, 2), "gpu_busy_ms": round(busy, 2),
-         "launch_gaps_ms": round(span - busy, 2), "kernels": len(kern),
+         "launch_gaps_ms": round(span - busy, 2), "kernels": len(kern), "gaps_hist": gaps_hist, "top_gaps": top_gaps,
          "category_ms": {k: round(v, 2) for k, v in sorted(cats.items(), key=lambda kv: -kv[1])},
          "top_kernels": [{"name": k[:160], "ms": round(v[0], 3), "calls": v[1], "category": v[2]} for k, v in top]}
     RES["profiles"].setdefault(inp.key, {})[name] = r
@@ -571,6 +586,8 @@ def run_family(family, path, lname, inputs, sd_gpu, dev):
         names += [n.replace(f"_{a}", f"_{a}_fused", 1) for n in list(names) for a in ATTN if f"_{a}" in n]
         if FUSED_SAGE == "ab":
             names += [n.replace("_fused", "_fused_sage", 1) for n in names if "_int8_sage_fused" in n]
+        if SETTINGS_B:
+            names += [n.replace("_fused", "_fused_b", 1) for n in names if "_fused" in n and "_fused_sage" not in n]
     if CONFIGS and not any(c.split("@")[0] in names for c in CONFIGS):
         mark(f"skip family {family}: none of its configurations {names} is in CONFIGS")
         return
@@ -638,13 +655,27 @@ def run_family(family, path, lname, inputs, sd_gpu, dev):
                 variants.append((f"{stem}_fused{sfx}", fused_block.apply(vm, "fp8")))
                 if FUSED_SAGE == "ab" and "_int8_sage" in stem:     # the same MODEL, the producer route on
                     variants.append((f"{stem}_fused_sage{sfx}", variants[-1][1]))
+            if SETTINGS_B:      # the same MODELs again with SETTINGS_B (kernels.fused.SETTINGS) while they run
+                variants += [(n.replace("_fused", "_fused_b", 1), vm) for n, vm in list(variants)
+                             if "_fused" in n and "_fused_sage" not in n]
     for inp in inputs:
         for name, m in variants:
             if FUSED_SAGE == "ab":
                 from h3_turbo.kernels import fused as fk
 
                 fk.SETTINGS["sage_route"] = "_fused_sage" in name
-            run_config(name, m, sampler, sigmas, inp, fam_base, est_for(family, inp))
+            saved = None
+            if SETTINGS_B and "_fused_b" in name:
+                from h3_turbo.kernels import fused as fk
+
+                saved = dict(fk.SETTINGS)
+                fk.SETTINGS.update(SETTINGS_B)
+            try:
+                run_config(name, m, sampler, sigmas, inp, fam_base, est_for(family, inp))
+            finally:
+                if saved is not None:
+                    fk.SETTINGS.clear()
+                    fk.SETTINGS.update(saved)
     del variants, base, shifted
     drop_all()
 
@@ -716,6 +747,7 @@ PROFILE = [c for c in os.environ.get("PROFILE", "").split(",") if c]
 ATTN = [a for a in os.environ.get("ATTN", "int8_sage,exact").split(",") if a]
 FWD_REPS = int(os.environ.get("FWD_REPS", 1))
 FUSED = os.environ.get("FUSED") == "1"     # ours_fp8 also with the fused DiT blocks (runtime/fused_block.py)
+SETTINGS_B = json.loads(os.environ.get("SETTINGS_B", "") or "{}")   # kernels.fused.SETTINGS for the _fused_b rows
 FUSED_SAGE = os.environ.get("FUSED_SAGE", "")   # 1 / 0: the fused blocks' int8_sage producer route on / off
 #                                                 (kernels.fused.SETTINGS); ab: both, as <name>_fused / <name>_fused_sage
 TEXT = int(os.environ.get("TEXT", 16 if DRY else 300))

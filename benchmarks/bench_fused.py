@@ -364,9 +364,12 @@ def kernels_part():
                 kv = K.quantize_kv(view(b0[:, inner:2 * inner]), v.transpose(0, 1).unsqueeze(0), tuned)
                 return q8, kv
 
-            def fused_prep():
+            def fused_prep():       # what the route runs before the kernel (the partials reduced by quantize_kv)
                 p = fk.qk_norm_rope_sage(b1, HEADS, HD, table, qw, kw, 1e-6)
                 c = dict(tuned, QPRE=True, Q_ROW=True)
+                if p["ksum"].shape[0] > 1 or fk.SETTINGS["sage_stats"] == "pass":
+                    return K.quantize_kv(view(b1[:, inner:2 * inner]), view(b1[:, 2 * inner:]), c,
+                                         parts=(p["ksum"], p["vamax"]))
                 return K.quantize_kv(view(b1[:, inner:2 * inner]), view(b1[:, 2 * inner:]), c,
                                      stats=K.stats_from_sums(p["ksum"], p["vamax"], s))
 
@@ -389,9 +392,9 @@ def kernels_part():
             out["ms_chain_fused"] = bench(fused_chain)
             out["chain_speedup"] = out["ms_chain_unfused"] / out["ms_chain_fused"]
             before = dict(fk.SETTINGS)
-            for rows_, warps, vrows, st in (((8, 4, 8, "torch"), (16, 4, 16, "torch"), (32, 4, 32, "torch"),
-                                             (32, 4, 32, "kernel"), (16, 4, 16, "kernel"))
-                                            if CUDA else ((8, 4, 8, "torch"),)):
+            for rows_, warps, vrows, st in (((8, 4, 8, "pass"), (8, 4, 8, "torch"), (16, 4, 16, "pass"),
+                                             (32, 4, 32, "kernel"))
+                                            if CUDA else ((8, 4, 8, "pass"), (8, 4, 8, "torch"))):
                 fk.SETTINGS.update(rope_rows=rows_, rope_warps=warps, rope_v_rows=vrows, sage_stats=st)
                 try:
                     tag = f"rows{rows_}_warps{warps}_v{vrows}_{st}"
@@ -399,6 +402,11 @@ def kernels_part():
                     out[f"ms_prep_fused_{tag}"] = bench(fused_prep)
                     out[f"ms_qk_norm_rope_sage_{tag}"] = bench(lambda: fk.qk_norm_rope_sage(b1, HEADS, HD, table, qw,
                                                                                             kw, 1e-6))
+                    if st == "pass":       # the statistics pass alone (k sums / v maxima over 16 row ranges)
+                        kc, vc = b1[:, inner:2 * inner].view(s, HEADS, HD), b1[:, 2 * inner:].view(s, HEADS, HD)
+                        out[f"ms_kv_stats_pass_{tag}"] = bench(lambda: K.kv_partial_stats(kc, vc))
+                        out[f"ms_kv_stats_torch_{tag}"] = bench(lambda: (kc.sum(dim=0, dtype=torch.float32),
+                                                                         torch.aminmax(vc, dim=0)))
                     if st == "torch":      # the launch alone (no reductions): q8 / qs written, k rotated
                         b2 = qkv0.clone()
                         q8b = torch.empty(s, HEADS, HD, device=DEV, dtype=torch.int8)

@@ -69,10 +69,12 @@ SETTINGS = {
     # the fused block's v for attention: a contiguous copy (core's v.clone()) or the qkv buffer's strided v columns
     # (like q and k): H200 block with cuDNN attention 29.99 vs 30.75 ms, the same output error
     "v_copy": False,
-    # qk_norm_rope_sage's k sums / v maxima: "torch" (reductions after the launch: its q / k head loop then has no
-    # cross-warp step) or "kernel" (partials in the launch: what the H200 runs of the route measured; the two are not
-    # yet timed against each other)
-    "sage_stats": "torch",
+    # qk_norm_rope_sage's k sums / v maxima: "pass" (one Triton pass over the k / v columns after the launch, partial
+    # sums over 16 row ranges that int8_sage's K/V pre-kernel reduces: no torch op on the route), "torch" (torch
+    # reductions after the launch) or "kernel" (partials in the launch; H200: 1.00 vs 0.63 ms for "torch", its head
+    # loop gets a cross-warp step)
+    "sage_stats": "pass",
+    "sage_stats_parts": 16,
     "rope_v_rows": 8,        # rows per v program of qk_norm_rope_sage with "kernel" stats (its column max |v|; a
                              # multiple of rope_rows; H200: 8 < 64 < 256, a longer loop per program is latency-bound)
     "gate_block": 2048,
@@ -498,8 +500,9 @@ def qk_norm_rope_sage(qkv: torch.Tensor, heads: int, head_dim: int, freqs: torch
     quantized to INT8 per (row, head) straight from its rounded rotated values (SageAttention's per-token Q
     quantization, ``q8 = round_half_away(q * 127 / max|q_row|)``), k is rotated in place and its column sums taken,
     v is read once for its column max |v| (no copy). Arguments as :func:`qk_norm_rope`. Returns ``{"q8": int8
-    [S, heads, head_dim], "qs": float32 [S, heads] (max|q_row| / 127), "ksum": float32 [heads, head_dim] (sum of
-    the rotated k over the S rows), "vamax": float32 [heads, head_dim]}`` (the arguments of
+    [S, heads, head_dim], "qs": float32 [S, heads] (max|q_row| / 127), "ksum": float32 [R, heads, head_dim] (partial
+    sums of the rotated k over R row ranges: their sum over dim 0 is the column sum), "vamax": float32 [R, heads,
+    head_dim] (partial maxima)}`` (R = 1 unless ``SETTINGS["sage_stats"]`` is "pass"; the arguments of
     :func:`.attention.int8_kernels.sage_attention_prequantized`); qkv's q columns keep their input values.
     Eager reference :func:`qk_norm_rope_sage_ref`. ValueError naming the argument on bad input."""
     where = "fused.qk_norm_rope_sage"
@@ -510,23 +513,30 @@ def qk_norm_rope_sage(qkv: torch.Tensor, heads: int, head_dim: int, freqs: torch
     bs = int(SETTINGS["rope_rows"])
     vrows = bs * max(1, int(SETTINGS["rope_v_rows"]) // bs)
     stats = SETTINGS["sage_stats"]
-    if stats not in ("kernel", "torch"):
-        raise ValueError(f"{where}: SETTINGS['sage_stats'] = {stats!r}, expected 'kernel' or 'torch'")
+    if stats not in ("pass", "kernel", "torch"):
+        raise ValueError(f"{where}: SETTINGS['sage_stats'] = {stats!r}, expected 'pass', 'kernel' or 'torch'")
     inner = heads * head_dim
     if s and stats == "kernel":
         parts = torch.empty((triton.cdiv(s, bs), heads, head_dim), device=dev, dtype=torch.float32)
         vparts = torch.empty((triton.cdiv(s, vrows), heads, head_dim), device=dev, dtype=qkv.dtype)
         _qk_rope_launch(qkv, heads, head_dim, freqs, q_weight, k_weight, eps, qkv, (q8, qs, parts, vparts), True,
                         stats=True)
-        ksum, vamax = parts.sum(dim=0), vparts.amax(dim=0).float()
-    elif s:     # the launch writes q8 / qs and k; k's column sums and v's column extrema by torch reductions
+        ksum, vamax = parts.sum(dim=0, keepdim=True), vparts.amax(dim=0, keepdim=True).float()
+    elif s:     # the launch writes q8 / qs and k; k's column sums and v's column extrema after it
         _qk_rope_launch(qkv, heads, head_dim, freqs, q_weight, k_weight, eps, qkv, (q8, qs, q8, q8), False, stats=False)
-        ksum = qkv[:, inner:2 * inner].view(s, heads, head_dim).sum(dim=0, dtype=torch.float32)
-        vmin, vmax = torch.aminmax(qkv[:, 2 * inner:].view(s, heads, head_dim), dim=0)
-        vamax = torch.maximum(vmax.float(), -vmin.float())
+        kc = qkv[:, inner:2 * inner].view(s, heads, head_dim)
+        vc = qkv[:, 2 * inner:].view(s, heads, head_dim)
+        if stats == "pass":
+            from .attention.int8_kernels import kv_partial_stats
+
+            ksum, vamax = kv_partial_stats(kc, vc, parts=int(SETTINGS["sage_stats_parts"]))
+        else:
+            ksum = kc.sum(dim=0, dtype=torch.float32, keepdim=True)
+            vmin, vmax = torch.aminmax(vc, dim=0, keepdim=True)
+            vamax = torch.maximum(vmax.float(), -vmin.float())
     else:
-        ksum = torch.zeros((heads, head_dim), device=dev, dtype=torch.float32)
-        vamax = torch.zeros((heads, head_dim), device=dev, dtype=torch.float32)
+        ksum = torch.zeros((1, heads, head_dim), device=dev, dtype=torch.float32)
+        vamax = torch.zeros((1, heads, head_dim), device=dev, dtype=torch.float32)
     return {"q8": q8, "qs": qs, "ksum": ksum, "vamax": vamax}
 
 
@@ -613,8 +623,8 @@ def qk_norm_rope_sage_ref(qkv: torch.Tensor, heads: int, head_dim: int, freqs: t
     q8 = torch.trunc(x + torch.where(x >= 0, 0.5, -0.5)).to(torch.int8)
     k = new[:, inner:2 * inner].reshape(s, heads, head_dim).to(dtype)
     v = qkv[:, 2 * inner:].reshape(s, heads, head_dim).to(dtype)
-    return {"q8": q8, "qs": (a[..., 0] / 127.0).contiguous(), "ksum": k.sum(dim=0),
-            "vamax": v.abs().amax(dim=0), "new": new}
+    return {"q8": q8, "qs": (a[..., 0] / 127.0).contiguous(), "ksum": k.sum(dim=0, keepdim=True),
+            "vamax": v.abs().amax(dim=0, keepdim=True), "new": new}
 
 
 def gate_residual_ref(x, other, gate, rows) -> torch.Tensor:

@@ -368,7 +368,7 @@ def test_interp_override_runs_kernel_in_core_layouts():
 
 @interp
 @pytest.mark.parametrize("S,d", [(150, 128), (77, 64)])
-def test_interp_prequantized_is_the_q_row_kernel(S, d):
+def test_interp_prequantized_is_the_q_row_kernel(S, d, monkeypatch):
     """``sage_attention_prequantized`` on ``fused.qk_norm_rope_sage``'s outputs = ``sage_attention`` with ``Q_ROW``
     on the rotated q / k and v, bit for bit (bf16 output); its e4m3 output is that output quantized with one scale
     max|v| / 448 (every e4m3 code within one step of the float64 quantization of the bf16 output, except where the
@@ -385,6 +385,8 @@ def test_interp_prequantized_is_the_q_row_kernel(S, d):
     rot = qkv.clone()
     fk.qk_norm_rope(rot, H, d, table, qw, kw, 1e-6)
     x = qkv.clone()
+    prep_pass = fk.qk_norm_rope_sage(x.clone(), H, d, table, qw, kw, 1e-6)     # default: partial sums of one pass
+    monkeypatch.setitem(fk.SETTINGS, "sage_stats", "torch")                    # one torch sum: kv_stats's bits
     prep = fk.qk_norm_rope_sage(x, H, d, table, qw, kw, 1e-6)
     inner = H * d
     view = lambda t: t.view(S, H, d).transpose(0, 1).unsqueeze(0)    # noqa: E731
@@ -395,6 +397,11 @@ def test_interp_prequantized_is_the_q_row_kernel(S, d):
     want = Q.sage_attention(view(rot[:, :inner]), k4, v4, config={**cfg, "QPRE": True, "Q_ROW": True},
                             out_layout="blhd")
     assert got.shape == (1, S, inner) and torch.equal(got, want)
+    # from the partial sums: the same function (k's mean summed in another order may flip an int8 K code)
+    got_pass = Q.sage_attention_prequantized(prep_pass["q8"], prep_pass["qs"], k4, v4, prep_pass["ksum"],
+                                             prep_pass["vamax"], config=cfg)
+    assert prep_pass["ksum"].shape[0] > 1 or S < 64
+    assert rel_l2(got_pass.double(), got.double()) < 2e-3
     acc = accuracy(got.view(S, H, d).transpose(0, 1).float(), reference_attention(view(rot[:, :inner]), k4, v4))
     assert acc["rel_l2"] < 0.06 and acc["cos_min"] > 0.998, acc
     o8, sx = Q.sage_attention_prequantized(prep["q8"], prep["qs"], k4, v4, prep["ksum"], prep["vamax"], config=cfg,
@@ -407,11 +414,46 @@ def test_interp_prequantized_is_the_q_row_kernel(S, d):
     deq = o8.double() * sx.double()
     assert 1e-3 < rel_l2(deq, got[0].double()) < 0.035
     for bad, match in (({"q8": prep["q8"].float()}, "q8"), ({"qs": prep["qs"].t().contiguous()}, "qs"),
-                       ({"ksum": prep["ksum"][:1]}, "ksum"), ({"scale": -0.1}, "scale")):
+                       ({"ksum": prep["ksum"][..., :1].contiguous()}, "ksum"), ({"vamax": prep["vamax"][0]}, "vamax"),
+                       ({"scale": -0.1}, "scale")):
         a = dict(q8=prep["q8"], qs=prep["qs"], k=k4, v=v4, ksum=prep["ksum"], vamax=prep["vamax"], config=cfg)
         a.update(bad)
         with pytest.raises(ValueError, match=match):
             Q.sage_attention_prequantized(**a)
+
+
+@interp
+@pytest.mark.parametrize("L,H,d,parts", [(150, 2, 128, 16), (77, 3, 64, 2), (5, 1, 64, 16)])
+def test_interp_kv_partial_stats_feed_quantize_kv(L, H, d, parts):
+    """``kv_partial_stats`` on the strided k / v columns of a qkv buffer: the partial sums add up to the float64
+    column sums of k (within fp32 summation error), their maxima are max |v| exactly; ``quantize_kv(parts=...)``
+    (the reduction inside the pre-kernel) = ``quantize_kv(stats=...)`` from the same partials summed in the kernel's
+    order, bit for bit, plus ``hmax`` = max |v| per head; bad partials are refused naming them."""
+    g = torch.Generator().manual_seed(L + d)
+    inner = H * d
+    qkv = (torch.randn(L, 3 * inner, generator=g) * 2.0).to(torch.bfloat16)
+    k, v = qkv[:, inner:2 * inner].view(L, H, d), qkv[:, 2 * inner:].view(L, H, d)
+    ks, va = Q.kv_partial_stats(k, v, parts=parts)
+    r = ks.shape[0]
+    assert ks.shape == va.shape == (r, H, d) and 1 <= r <= parts and (r > 1 or L <= 32 or parts == 1)
+    kd = k.double()
+    assert bool(((ks.double().sum(0) - kd.sum(0)).abs() <= 1e-6 * kd.abs().sum(0) + 1e-30).all())
+    assert torch.equal(va.amax(0), v.float().abs().amax(0))
+    k4, v4 = k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0)
+    cfg = {"BLOCK_M": 64, "BLOCK_N": 64}
+    a = Q.quantize_kv(k4, v4, cfg, parts=(ks, va))
+    total = torch.zeros(H, d)
+    for i in range(r):
+        total = total + ks[i]
+    b = Q.quantize_kv(k4, v4, cfg, stats=Q.stats_from_sums(total, va.amax(0), L))
+    for key in ("k8", "ks", "km", "vs", "vinv"):
+        assert torch.equal(a[key], b[key]), key
+    assert torch.equal(a["vq"].view(torch.uint8), b["vq"].view(torch.uint8)) and a["vm"] is None
+    assert torch.equal(a["hmax"], va.amax(0).amax(-1))
+    with pytest.raises(ValueError, match="parts"):
+        Q.quantize_kv(k4, v4, cfg, parts=(ks[..., :1].contiguous(), va[..., :1].contiguous()))
+    with pytest.raises(ValueError, match="kv_partial_stats"):
+        Q.kv_partial_stats(k.reshape(L, inner), v.reshape(L, inner))
 
 
 # ------------------------------------------------------------------ runner
@@ -426,5 +468,5 @@ def test_interpreted_kernels_in_subprocess():
     tail = proc.stdout[-6000:] + proc.stderr[-2000:]
     assert proc.returncode == 0, tail
     m = re.search(r"(\d+) passed", proc.stdout)
-    assert m and int(m.group(1)) == 15, tail
+    assert m and int(m.group(1)) == 18, tail
     assert "skipped" not in proc.stdout.splitlines()[-1], tail

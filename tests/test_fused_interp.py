@@ -271,7 +271,7 @@ def test_qk_norm_rope_refuses_bad_inputs():
 @pytest.mark.parametrize("s,heads,d,r2,row_pad", [(37, 3, 128, 48, 0), (5, 2, 64, 32, 24), (1, 1, 128, 64, 0),
                                                   (19, 2, 64, 5, 0), (0, 2, 64, 16, 0)])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("stats,v_rows", [("kernel", 8), ("kernel", 32), ("torch", 8)])
+@pytest.mark.parametrize("stats,v_rows", [("kernel", 8), ("kernel", 32), ("torch", 8), ("pass", 8)])
 def test_qk_norm_rope_sage_is_qk_norm_rope_then_int8_sage_inputs(s, heads, d, r2, row_pad, dtype, stats, v_rows,
                                                                   monkeypatch):
     """kernel (f): k rotated in place bit for bit as qk_norm_rope, v and q columns untouched; q8 / qs = qk_norm_rope's
@@ -301,8 +301,11 @@ def test_qk_norm_rope_sage_is_qk_norm_rope_then_int8_sage_inputs(s, heads, d, r2
     assert got["qs"].shape == (s, heads) and torch.equal(got["qs"], a[..., 0] / 127.0)
     k = rot[:, inner:2 * inner].reshape(s, heads, d).double()
     v = qkv[:, 2 * inner:].reshape(s, heads, d)
-    assert torch.equal(got["vamax"], v.float().abs().amax(dim=0) if s else torch.zeros(heads, d))
-    assert bool(((got["ksum"].double() - k.sum(dim=0)).abs() <= 1e-6 * k.abs().sum(dim=0) + 1e-30).all())
+    r = got["ksum"].shape[0]
+    assert got["ksum"].shape == got["vamax"].shape == (r, heads, d) and (r == 1 or stats == "pass")
+    assert torch.equal(got["vamax"].amax(dim=0), v.float().abs().amax(dim=0) if s else torch.zeros(heads, d))
+    ks = got["ksum"].double().sum(dim=0)
+    assert bool(((ks - k.sum(dim=0)).abs() <= 1e-6 * k.abs().sum(dim=0) + 1e-30).all())
     if s:
         ref = fk.qk_norm_rope_sage_ref(qkv, heads, d, table, qw, kw, 1e-6)
         assert float((got["q8"].int() - ref["q8"].int()).abs().float().mean()) <= 2e-3   # float64-rounded q
@@ -318,7 +321,7 @@ def test_qk_norm_rope_without_the_v_copy():
     assert va.is_contiguous() and not vb.is_contiguous()
 
 
-@pytest.mark.parametrize("stats", ["kernel", "torch"])
+@pytest.mark.parametrize("stats", ["kernel", "torch", "pass"])
 def test_qk_norm_rope_sage_ignores_the_padded_rows_of_its_last_program(stats, monkeypatch):
     """eps = 0 and S not a multiple of the rows per program (nor of the v programs' rows): the padded rows (0 / 0 in
     the norm) stay out of the k sums and the v maxima."""
@@ -404,7 +407,7 @@ def test_fused_block_runs_int8_sage_fused_on_the_producer(comfy, monkeypatch):
     off, p0 = run(_CpuTritonOps(), {"optimized_attention_override": ov})       # route off
     assert p0.calls == 1 and "sage" not in p0.routes and ov.calls == 1
     monkeypatch.setitem(fk.SETTINGS, "sage_route", True)
-    for st in ("torch", "kernel"):
+    for st in ("torch", "kernel", "pass"):      # "pass" (the default) last: the runs below use it
         monkeypatch.setitem(fk.SETTINGS, "sage_stats", st)
         alt, _ = run(_CpuTritonOps(), {"optimized_attention_override": ov})
         # both statistics variants: the same function (k sums in another order: an int8 K code may flip)

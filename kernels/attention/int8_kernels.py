@@ -116,11 +116,34 @@ if triton is not None:
         return _round_i8(x * inv, 127.0), amax
 
     @triton.jit
-    def _quant_kv_kernel(K, V, KM, VM, VINV, K8, KS, VQ,
+    def _kv_colstats_kernel(K, V, KSUM, VAMAX, skl, skh, svl, svh, H, L, ROWS,
+                            HEAD_DIM: tl.constexpr, BLOCK_L: tl.constexpr):
+        """Partial column statistics of one head over rows [r * ROWS, (r + 1) * ROWS): KSUM[r, h, :] = sum of k,
+        VAMAX[r, h, :] = max |v| (float32; fixed summation order: deterministic)."""
+        h = tl.program_id(0)
+        r = tl.program_id(1)
+        offs_d = tl.arange(0, HEAD_DIM)
+        start = r * ROWS
+        stop = tl.minimum(start + ROWS, L)
+        acc = tl.zeros([BLOCK_L, HEAD_DIM], dtype=tl.float32)
+        am = tl.zeros([BLOCK_L, HEAD_DIM], dtype=tl.float32)
+        for l0 in range(start, stop, BLOCK_L):
+            offs_l = l0 + tl.arange(0, BLOCK_L)
+            ok = (offs_l < stop)[:, None]
+            rows = offs_l[:, None].to(tl.int64)
+            k = tl.load(K + rows * skl + h * skh + offs_d[None, :], mask=ok, other=0.0)
+            v = tl.load(V + rows * svl + h * svh + offs_d[None, :], mask=ok, other=0.0)
+            acc += k.to(tl.float32)
+            am = tl.maximum(am, tl.abs(v.to(tl.float32)))
+        tl.store(KSUM + (r * H + h) * HEAD_DIM + offs_d, tl.sum(acc, 0))
+        tl.store(VAMAX + (r * H + h) * HEAD_DIM + offs_d, tl.max(am, 0))
+
+    @triton.jit
+    def _quant_kv_kernel(K, V, KM, VM, VINV, K8, KS, VQ, KP, VP, VS, HMAX,
                          skb, skh, skn, skd, svb, svh, svn, svd,
-                         H, N_K, N_KPAD,
+                         H, N_K, N_KPAD, N_PARTS, n_f,
                          HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, PV_FP8: tl.constexpr,
-                         V_MEAN: tl.constexpr, INTERP: tl.constexpr):
+                         V_MEAN: tl.constexpr, INTERP: tl.constexpr, FROM_PARTS: tl.constexpr):
         j = tl.program_id(0)
         bh = tl.program_id(1)
         b = bh // H
@@ -129,10 +152,26 @@ if triton is not None:
         offs_d = tl.arange(0, HEAD_DIM)
         valid = (offs_n < N_K)[:, None]
         nb = N_KPAD // BLOCK_N
+        if FROM_PARTS:   # the statistics from partial sums / maxima [N_PARTS, B*H, D] (kv_partial_stats)
+            ksum = tl.zeros([HEAD_DIM], dtype=tl.float32)
+            vamax = tl.zeros([HEAD_DIM], dtype=tl.float32)
+            for r in range(0, N_PARTS):
+                ksum += tl.load(KP + (r * tl.num_programs(1) + bh) * HEAD_DIM + offs_d)
+                vamax = tl.maximum(vamax, tl.load(VP + (r * tl.num_programs(1) + bh) * HEAD_DIM + offs_d))
+            # IEEE divisions (div_rn; Triton's '/' is approximate): torch's bits (stats_from_sums) from one partial
+            km = tl.math.div_rn(ksum, n_f + tl.zeros([HEAD_DIM], dtype=tl.float32))
+            one = 1.0 + tl.zeros([HEAD_DIM], dtype=tl.float32)      # torch's 448 / t is reciprocal(t) * 448
+            vinv_p = tl.where(vamax > 0, tl.math.div_rn(one, tl.where(vamax > 0, vamax, 1.0)) * 448.0, 0.0)
+            if j == 0:   # one program per head writes what the attention kernel and the caller read
+                tl.store(KM + bh * HEAD_DIM + offs_d, km)
+                tl.store(VINV + bh * HEAD_DIM + offs_d, vinv_p)
+                tl.store(VS + bh * HEAD_DIM + offs_d, tl.math.div_rn(vamax, 448.0 + tl.zeros([HEAD_DIM], dtype=tl.float32)))
+                tl.store(HMAX + bh, tl.max(vamax, 0))
         # ---- K: smooth, per-block int8
         kp = _bhld_ptrs(K, b, h, offs_n, offs_d, skb, skh, skn, skd)
         k = tl.load(kp, mask=valid, other=0.0).to(tl.float32)
-        km = tl.load(KM + bh * HEAD_DIM + offs_d)
+        if not FROM_PARTS:
+            km = tl.load(KM + bh * HEAD_DIM + offs_d)
         k8, amax = _quant_i8_block(tl.where(valid, k - km[None, :], 0.0))
         base = bh.to(tl.int64) * N_KPAD * HEAD_DIM
         tl.store(K8 + base + offs_n[:, None] * HEAD_DIM + offs_d[None, :], k8)
@@ -144,7 +183,10 @@ if triton is not None:
             vm = tl.load(VM + bh * HEAD_DIM + offs_d)
             v = tl.where(valid, v - vm[None, :], 0.0)
         if PV_FP8:
-            vinv = tl.load(VINV + bh * HEAD_DIM + offs_d)
+            if FROM_PARTS:
+                vinv = vinv_p
+            else:
+                vinv = tl.load(VINV + bh * HEAD_DIM + offs_d)
             v8 = tl.minimum(tl.maximum(v * vinv[None, :], -448.0), 448.0)
             if INTERP:
                 v8 = _rne_e4m3(v8)
@@ -270,14 +312,14 @@ if triton is not None:
                        BLOCK_M, BLOCK_N, MASK, MAGIC, PV_FP8, INTERP, IMPRECISE, TMA, ROWSUM_MMA, Q_ROW)
 
     @triton.jit
-    def _attn_fwd_kernel(Q, Q8, QS, K8, KS, VQ, VS, VM, OUT, ONES, OSC,
+    def _attn_fwd_kernel(Q, Q8, QS, K8, KS, VQ, VS, VM, OUT, ONES, HMAX, SX,
                          sqb, sqh, sqm, sqd, sob, soh, som, sod, sq8b, sq8h, sq8m, sqs, sqsm,
                          H, N_Q, N_QPAD, N_K, N_KPAD, qk_scale,
                          HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                          MAGIC: tl.constexpr, PV_FP8: tl.constexpr, V_MEAN: tl.constexpr,
                          INTERP: tl.constexpr, IMPRECISE: tl.constexpr, TMA: tl.constexpr,
                          QPRE: tl.constexpr, ROWSUM_MMA: tl.constexpr, Q_ROW: tl.constexpr,
-                         OUT_FP8: tl.constexpr):
+                         OUT_FP8: tl.constexpr, HP: tl.constexpr):
         pid_m = tl.program_id(0)
         bh = tl.program_id(1)
         b = bh // H
@@ -337,10 +379,19 @@ if triton is not None:
         if V_MEAN:
             vm = tl.load(VM + bh * HEAD_DIM + offs_d)
             out = out + vm[None, :]
-        if OUT_FP8:     # e4m3 with one scale for the whole output (OSC: its inverse, 448 / max|v|)
-            out = tl.minimum(tl.maximum(out * tl.load(OSC), -448.0), 448.0)
+        if OUT_FP8:     # e4m3 with one scale for the whole output: max|v| / 448 (HMAX: max|v| per (b, h))
+            offs_h = tl.arange(0, HP)
+            gmax = tl.max(tl.load(HMAX + offs_h, mask=offs_h < tl.num_programs(1), other=0.0), 0)
+            g1 = gmax + tl.zeros([1], dtype=tl.float32)
+            c448 = 448.0 + tl.zeros([1], dtype=tl.float32)
+            osc = tl.sum(tl.where(g1 > 0, tl.math.div_rn(c448 * 0.0 + 1.0, tl.where(g1 > 0, g1, 1.0)) * 448.0, 0.0), 0)
+            out = tl.minimum(tl.maximum(out * osc, -448.0), 448.0)
             if INTERP:
                 out = _rne_e4m3(out)
+            if bh == 0:   # the row scales of the out_proj's fp8 input (1/448 for an all-zero v)
+                sx1 = tl.sum(tl.where(g1 > 0, tl.math.div_rn(g1, c448), 1.0 / 448.0), 0)
+                sxv = sx1 + tl.zeros([BLOCK_M], dtype=tl.float32)
+                tl.store(SX + offs_m, sxv, mask=offs_m < N_Q)
         elif INTERP:
             if OUT.dtype.element_ty == tl.bfloat16:
                 out = _rne_bf16(out)
@@ -408,9 +459,32 @@ def kv_stats(k: torch.Tensor, v: torch.Tensor, v_mean: bool = True, pv_fp8: bool
     return km.contiguous(), vm.contiguous(), vs.contiguous(), vinv.contiguous()
 
 
+def kv_partial_stats(k: torch.Tensor, v: torch.Tensor, parts: int = 16, block_l: int = 32):
+    """One pass over k and v [L, H, D] (bf16/fp16, last stride 1, any row / head strides, e.g. the k / v columns of
+    a qkv buffer): (ksum, vamax), float32 [R, H, D] each: the column sums of k and the column maxima of |v| over R
+    <= ``parts`` consecutive row ranges (their sum / max over dim 0 are the statistics; a fixed order, so the same
+    bits on every call). The input of :func:`sage_attention_prequantized` and ``quantize_kv(parts=...)``."""
+    if triton is None:
+        raise NoCapablePathError(f"attention_int8: triton unavailable ({_TRITON_ERROR})")
+    if k.ndim != 3 or v.shape != k.shape or k.stride(2) != 1 or v.stride(2) != 1 or k.shape[2] not in SUPPORTED_HEAD_DIMS:
+        raise ValueError(f"attention_int8.kv_partial_stats: k, v must be [L, H, D] with D in {SUPPORTED_HEAD_DIMS} "
+                         f"and unit last stride, got {tuple(k.shape)} {k.stride()}, {tuple(v.shape)} {v.stride()}")
+    L, H, D = k.shape
+    rows = triton.cdiv(triton.cdiv(max(L, 1), max(1, int(parts))), block_l) * block_l
+    r = max(1, triton.cdiv(L, rows))
+    ksum = torch.empty((r, H, D), device=k.device, dtype=torch.float32)
+    vamax = torch.empty((r, H, D), device=k.device, dtype=torch.float32)
+    _kv_colstats_kernel[(H, r)](k, v, ksum, vamax, k.stride(0), k.stride(1), v.stride(0), v.stride(1), H, L, rows,
+                                HEAD_DIM=D, BLOCK_L=block_l, num_warps=4)
+    return ksum, vamax
+
+
 def stats_from_sums(ksum: torch.Tensor, vamax: torch.Tensor, n: int):
     """:func:`kv_stats` (``V_MEAN`` off, fp8 P V) from a producer's sums: ``ksum`` [B*H, D] float32 (the sum of k
-    over its ``n`` tokens), ``vamax`` [B*H, D] float32 (max |v| over the tokens) -> (km, vm, vs, vinv)."""
+    over its ``n`` tokens), ``vamax`` [B*H, D] float32 (max |v| over the tokens), or [R, B*H, D] partials of both
+    (:func:`kv_partial_stats`) -> (km, vm, vs, vinv)."""
+    if ksum.ndim == 3:
+        ksum, vamax = ksum.sum(dim=0), vamax.amax(dim=0)
     km = ksum / float(n)
     vs, vinv = _v_scales(vamax)
     return km.contiguous(), torch.zeros_like(km), vs.contiguous(), vinv.contiguous()
@@ -421,17 +495,33 @@ def _v_scales(amax: torch.Tensor):
     return amax / FP8_MAX, torch.where(amax > 0, FP8_MAX / amax, torch.zeros_like(amax))
 
 
-def quantize_kv(k: torch.Tensor, v: torch.Tensor, config: dict | None = None, stats=None):
+def quantize_kv(k: torch.Tensor, v: torch.Tensor, config: dict | None = None, stats=None, parts=None):
     """Pre-kernel: k, v [B, H, L, D] (bf16/fp16, any strides) -> dict with ``k8`` int8 [B*H, L_pad, D]
     (smoothed, per-block of BLOCK_N keys), ``ks`` float32 [B*H, L_pad/BLOCK_N], ``vq`` (e4m3
     [B*H, D, L_pad] if PV_FP8 else bf16 [B*H, L_pad, D]), ``km``/``vm``/``vs``/``vinv`` float32 [B*H, D],
     ``n_kpad`` = L rounded up to BLOCK_N. Rows past L are written as zeros. ``stats``: (km, vm, vs, vinv)
-    already computed (e.g. :func:`stats_from_sums`), else :func:`kv_stats` here."""
+    already computed (e.g. :func:`stats_from_sums`), else :func:`kv_stats` here. ``parts``: (ksum, vamax) partials
+    [R, B*H, D] (:func:`kv_partial_stats`; needs V_MEAN off and PV_FP8): the kernel reduces them itself (no torch
+    op), ``vm`` is then None and the dict adds ``hmax`` float32 [B*H] (max |v| per (b, h))."""
     c = _cfg(config)
     B, H, L, D = k.shape
     bn = c["BLOCK_N"]
     npad = triton.cdiv(L, bn) * bn
-    km, vm, vs, vinv = kv_stats(k, v, c["V_MEAN"], c["PV_FP8"]) if stats is None else stats
+    hmax = None
+    if parts is not None:
+        kp, vp = parts
+        if c["V_MEAN"] or not c["PV_FP8"]:
+            raise ValueError("attention_int8.quantize_kv: parts need V_MEAN off and PV_FP8 on")
+        if kp.ndim != 3 or tuple(kp.shape[1:]) != (B * H, D) or vp.shape != kp.shape or kp.dtype != torch.float32 \
+                or vp.dtype != torch.float32 or not (kp.is_contiguous() and vp.is_contiguous()):
+            raise ValueError(f"attention_int8.quantize_kv: parts must be contiguous float32 [R, {B * H}, {D}], got "
+                             f"{kp.dtype} {tuple(kp.shape)}, {vp.dtype} {tuple(vp.shape)}")
+        km, vm = torch.empty(B * H, D, device=k.device, dtype=torch.float32), None
+        vs, vinv = torch.empty_like(km), torch.empty_like(km)
+        hmax = torch.empty(B * H, device=k.device, dtype=torch.float32)
+    else:
+        km, vm, vs, vinv = kv_stats(k, v, c["V_MEAN"], c["PV_FP8"]) if stats is None else stats
+        kp = vp = km
     k8 = torch.empty(B * H, npad, D, device=k.device, dtype=torch.int8)
     ks = torch.empty(B * H, npad // bn, device=k.device, dtype=torch.float32)
     if c["PV_FP8"]:
@@ -439,10 +529,14 @@ def quantize_kv(k: torch.Tensor, v: torch.Tensor, config: dict | None = None, st
     else:
         vq = torch.empty(B * H, npad, D, device=k.device, dtype=torch.bfloat16)
     _quant_kv_kernel[(npad // bn, B * H)](
-        k, v, km, vm, vinv, k8, ks, vq,
-        *k.stride(), *v.stride(), H, L, npad,
-        HEAD_DIM=D, BLOCK_N=bn, PV_FP8=c["PV_FP8"], V_MEAN=c["V_MEAN"], INTERP=INTERPRET, num_warps=4)
-    return {"k8": k8, "ks": ks, "vq": vq, "km": km, "vm": vm, "vs": vs, "vinv": vinv, "n_kpad": npad}
+        k, v, km, vm if vm is not None else km, vinv, k8, ks, vq, kp, vp, vs, hmax if hmax is not None else km,
+        *k.stride(), *v.stride(), H, L, npad, kp.shape[0] if parts is not None else 0, float(max(L, 1)),
+        HEAD_DIM=D, BLOCK_N=bn, PV_FP8=c["PV_FP8"], V_MEAN=c["V_MEAN"], INTERP=INTERPRET,
+        FROM_PARTS=parts is not None, num_warps=4)
+    out = {"k8": k8, "ks": ks, "vq": vq, "km": km, "vm": vm, "vs": vs, "vinv": vinv, "n_kpad": npad}
+    if hmax is not None:
+        out["hmax"] = hmax
+    return out
 
 
 def _ones_e4m3(device, block_n: int) -> torch.Tensor:
@@ -545,7 +639,9 @@ def sage_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: flo
 
 
 def _launch(q, q8, qs, q8_strides, nqpad, kv, out, out_layout, osc, B, H, Lq, Lk, D, sm, c):
-    """The attention kernel's launch (shared by :func:`sage_attention` and :func:`sage_attention_prequantized`)."""
+    """The attention kernel's launch (shared by :func:`sage_attention` and :func:`sage_attention_prequantized`).
+    ``osc``: None (output in ``out``'s dtype) or (hmax float32 [B*H] = max |v| per (b, h), sx float32 [Lq, 1]): an
+    e4m3 output with the one scale max(hmax) / 448, which the kernel also writes into every row of sx."""
     if out_layout == "bhld":
         so = out.stride()
     else:
@@ -563,12 +659,14 @@ def _launch(q, q8, qs, q8_strides, nqpad, kv, out, out_layout, osc, B, H, Lq, Lk
             vq = TensorDescriptor(vq.view(B * H * npad, D), [B * H * npad, D], [D, 1], [bn, D])
     launch = {"maxnreg": c["MAXNREG"]} if c["MAXNREG"] else {}
     ones = _ones_e4m3(q.device, c["BLOCK_N"]) if c["ROWSUM_MMA"] else q
+    hmax, sx = osc if osc is not None else (kv["vs"], kv["vs"])
     _attn_fwd_kernel[grid](
-        q, q8, qs, k8, kv["ks"], vq, kv["vs"], kv["vm"], out, ones, osc if osc is not None else kv["vs"],
+        q, q8, qs, k8, kv["ks"], vq, kv["vs"], kv["vm"] if kv["vm"] is not None else kv["vs"], out, ones, hmax, sx,
         *q.stride(), *so, *q8_strides, H, Lq, nqpad, Lk, kv["n_kpad"], sm * LOG2E,
         HEAD_DIM=D, BLOCK_M=c["BLOCK_M"], BLOCK_N=c["BLOCK_N"], MAGIC=c["MAGIC"], PV_FP8=c["PV_FP8"],
         V_MEAN=c["V_MEAN"], INTERP=INTERPRET, IMPRECISE=None if c["IMPRECISE"] is None else min(c["IMPRECISE"], c["BLOCK_N"]),
         TMA=c["TMA"], QPRE=c["QPRE"], ROWSUM_MMA=c["ROWSUM_MMA"], Q_ROW=c["Q_ROW"], OUT_FP8=osc is not None,
+        HP=triton.next_power_of_2(B * H),
         num_warps=c["num_warps"], num_stages=c["num_stages"], **launch)
     return out
 
@@ -582,7 +680,8 @@ def sage_attention_prequantized(q8: torch.Tensor, qs: torch.Tensor, k: torch.Ten
 
     q8 int8 [L, H, D] (token-major, contiguous); qs float32 [L, H] (``max|q_row| / 127`` per row and head);
     k, v [1, H, L, D] bf16/fp16 views (any strides); ksum / vamax float32 [H, D] (sum of k, max |v| over the L
-    tokens). ``scale`` > 0 (default D ** -0.5). ``config``: launch configuration (default
+    tokens) or [R, H, D] partials of them (:func:`kv_partial_stats`), reduced inside the K/V pre-kernel; every
+    scale of the route is computed by the kernels (no torch op between the launches). ``scale`` > 0 (default D ** -0.5). ``config``: launch configuration (default
     :func:`tuned_config`); ``Q_ROW`` and ``QPRE`` are forced on, ``V_MEAN`` must be off and ``PV_FP8`` on.
     Returns [1, L, H*D] in k's dtype (core's layout), or with ``out_fp8`` the out_proj input of the fp8 path:
     (e4m3 [L, H*D], row scales float32 [L, 1], all equal to ``max(vamax) / 448`` (1/448 when v is all zero):
@@ -600,7 +699,10 @@ def sage_attention_prequantized(q8: torch.Tensor, qs: torch.Tensor, k: torch.Ten
     if q8.dtype != torch.int8 or tuple(q8.shape) != (L, H, D) or not q8.is_contiguous():
         raise ValueError(f"attention_int8.prequantized: q8 must be a contiguous int8 [{L}, {H}, {D}], got "
                          f"{q8.dtype} {tuple(q8.shape)}")
-    for name, t, shape in (("qs", qs, (L, H)), ("ksum", ksum, (H, D)), ("vamax", vamax, (H, D))):
+    if ksum.ndim == 2:
+        ksum, vamax = ksum.unsqueeze(0), vamax.unsqueeze(0) if vamax.ndim == 2 else vamax
+    r = ksum.shape[0] if ksum.ndim == 3 else 1
+    for name, t, shape in (("qs", qs, (L, H)), ("ksum", ksum, (r, H, D)), ("vamax", vamax, (r, H, D))):
         if t.dtype != torch.float32 or tuple(t.shape) != shape or not t.is_contiguous():
             raise ValueError(f"attention_int8.prequantized: {name} must be a contiguous float32 {list(shape)}, got "
                              f"{t.dtype} {tuple(t.shape)}")
@@ -614,18 +716,14 @@ def sage_attention_prequantized(q8: torch.Tensor, qs: torch.Tensor, k: torch.Ten
     c = _cfg(c)
     if c["V_MEAN"] or not c["PV_FP8"]:
         raise ValueError("attention_int8.prequantized: needs V_MEAN off and PV_FP8 on (the producer sums max |v|)")
-    kv = quantize_kv(k, v, c, stats=stats_from_sums(ksum, vamax, L))
+    kv = quantize_kv(k, v, c, parts=(ksum, vamax))
     if out_fp8:
-        gmax = vamax.amax().reshape(1)
-        osc = torch.where(gmax > 0, FP8_MAX / gmax, torch.zeros_like(gmax))
+        sx = torch.empty((L, 1), device=k.device, dtype=torch.float32)
         out = torch.empty((1, L, H * D), device=k.device, dtype=torch.float8_e4m3fn)
-    else:
-        osc = None
-        out = torch.empty((1, L, H * D), device=k.device, dtype=k.dtype)
-    _launch(k, q8, qs, (L * H * D, D, H * D, 1, H), L, kv, out, "blhd", osc, 1, H, L, L, D, sm, c)
-    if out_fp8:
-        sx = torch.where(gmax > 0, gmax / FP8_MAX, torch.full_like(gmax, 1.0 / FP8_MAX)).expand(L, 1).contiguous()
+        _launch(k, q8, qs, (L * H * D, D, H * D, 1, H), L, kv, out, "blhd", (kv["hmax"], sx), 1, H, L, L, D, sm, c)
         return out[0], sx
+    out = torch.empty((1, L, H * D), device=k.device, dtype=k.dtype)
+    _launch(k, q8, qs, (L * H * D, D, H * D, 1, H), L, kv, out, "blhd", None, 1, H, L, L, D, sm, c)
     return out
 
 

@@ -36,7 +36,8 @@ core_bf16,core_nvfp4,ours_exact,ours_fp8), CONFIGS (comma list of configuration 
 FWD_REPS (default 1), FUSED=1 (ours_fp8 also with the fused DiT blocks: ``<name>_fused``; FUSED_SAGE=1: with their
 int8_sage producer route, ``kernels.fused.SETTINGS["sage_route"]``; 0: off; ab: both in one process, the route-on
 rows named ``<name>_fused_sage``), SETTINGS_B (a JSON dict of ``kernels.fused.SETTINGS``: every ``_fused`` row runs
-again, the same MODEL, with these settings as ``<name>_fused_b``; an A/B in one process), PROFILE (comma list of
+again, the same MODEL, with these settings as ``<name>_fused_b``, its errors also against ``<name>_fused``; an A/B in
+one process; unknown keys are refused, and it excludes FUSED_SAGE=ab), PROFILE (comma list of
 configuration names), DEADLINE (s since start after which no
 new configuration starts), CKPT_DIR (where the checkpoint is written), COMFY_ARGS (default --highvram on the
 GPU: offload device = GPU, so unloading a family moves nothing), PLOT=1 (write the PNG at the end),
@@ -50,6 +51,7 @@ import gc
 import json
 import math
 import os
+import re
 import sys
 import time
 import traceback
@@ -134,12 +136,13 @@ def summarize():
                 if name in lt and rk in lt:
                     errs[f"turbo4_vs_{rk}"] = {"all": rel_l2(lt[name], lt[rk]), "video": rel_l2(lt[name][:1], lt[rk][:1]),
                                                "audio": rel_l2(lt[name][1:], lt[rk][1:])}
-            unf = name.replace("_fused", "")
-            if unf != name:            # the fused blocks against the same configuration unfused
-                if name in fw and unf in fw:
-                    errs[f"forward_vs_{unf}"] = {"all": rel_l2(fw[name], fw[unf])}
-                if name in lt and unf in lt:
-                    errs[f"turbo4_vs_{unf}"] = {"all": rel_l2(lt[name], lt[unf])}
+            unf = re.sub(r"_fused(_sage|_b)?", "", name)
+            alt = re.sub(r"_fused(_sage|_b)", "_fused", name)       # an A/B row against its default-settings twin
+            for other in {unf, alt} - {name}:   # the fused blocks against the same configuration unfused / A
+                if name in fw and other in fw:
+                    errs[f"forward_vs_{other}"] = {"all": rel_l2(fw[name], fw[other])}
+                if name in lt and other in lt:
+                    errs[f"turbo4_vs_{other}"] = {"all": rel_l2(lt[name], lt[other])}
             if turbo and name in fw and name[:-7] in fw:
                 errs["forward_vs_turbo_off(branch effect)"] = {"all": rel_l2(fw[name], fw[name[:-7]])}
             r["errors"] = errs
@@ -470,7 +473,8 @@ def profile_forward(m, inp, name):
                 end, prev = t0, nm
         for lo, hi in ((0, 0.002), (0.002, 0.005), (0.005, 0.01), (0.01, 0.05), (0.05, 0.2), (0.2, 1e9)):
             sel = [g[0] for g in found if lo <= g[0] < hi]
-            gaps_hist[f"{lo * 1e3:g}-{hi * 1e3:g}us"] = [len(sel), round(sum(sel), 3)]
+            label = f">={lo * 1e3:g}us" if hi > 1e8 else f"{lo * 1e3:g}-{hi * 1e3:g}us"
+            gaps_hist[label] = [len(sel), round(sum(sel), 3)]     # [gaps, their ms]
         top_gaps = [{"ms": round(g[0], 3), "after": g[1], "before": g[2], "at": g[3]}
                     for g in sorted(found, key=lambda g: -g[0])[:8]]
         iv = sorted((s, t) for _, s, t in kern)
@@ -669,6 +673,9 @@ def run_family(family, path, lname, inputs, sd_gpu, dev):
                 from h3_turbo.kernels import fused as fk
 
                 saved = dict(fk.SETTINGS)
+                unknown = sorted(set(SETTINGS_B) - set(saved))
+                if unknown:
+                    raise ValueError(f"SETTINGS_B: unknown kernels.fused.SETTINGS keys {unknown}; known: {sorted(saved)}")
                 fk.SETTINGS.update(SETTINGS_B)
             try:
                 run_config(name, m, sampler, sigmas, inp, fam_base, est_for(family, inp))
@@ -747,8 +754,11 @@ PROFILE = [c for c in os.environ.get("PROFILE", "").split(",") if c]
 ATTN = [a for a in os.environ.get("ATTN", "int8_sage,exact").split(",") if a]
 FWD_REPS = int(os.environ.get("FWD_REPS", 1))
 FUSED = os.environ.get("FUSED") == "1"     # ours_fp8 also with the fused DiT blocks (runtime/fused_block.py)
+FUSED_SAGE_ENV = os.environ.get("FUSED_SAGE", "")
 SETTINGS_B = json.loads(os.environ.get("SETTINGS_B", "") or "{}")   # kernels.fused.SETTINGS for the _fused_b rows
-FUSED_SAGE = os.environ.get("FUSED_SAGE", "")   # 1 / 0: the fused blocks' int8_sage producer route on / off
+if SETTINGS_B and FUSED_SAGE_ENV == "ab":
+    raise SystemExit("bench_denoiser: SETTINGS_B and FUSED_SAGE=ab are two A/Bs; run one (put sage_route into SETTINGS_B)")
+FUSED_SAGE = FUSED_SAGE_ENV   # 1 / 0: the fused blocks' int8_sage producer route on / off
 #                                                 (kernels.fused.SETTINGS); ab: both, as <name>_fused / <name>_fused_sage
 TEXT = int(os.environ.get("TEXT", 16 if DRY else 300))
 SEED = 42

@@ -450,10 +450,45 @@ def test_interp_kv_partial_stats_feed_quantize_kv(L, H, d, parts):
         assert torch.equal(a[key], b[key]), key
     assert torch.equal(a["vq"].view(torch.uint8), b["vq"].view(torch.uint8)) and a["vm"] is None
     assert torch.equal(a["hmax"], va.amax(0).amax(-1))
+    # a batch of two sequences: partials [R, B*H, D] in (b, h) order
+    k2, v2 = torch.cat([k4, k4.flip(2) * 0.5]), torch.cat([v4, -v4.flip(2) * 2.0])
+    ps = [Q.kv_partial_stats(k2[i].transpose(0, 1), v2[i].transpose(0, 1), parts=parts) for i in range(2)]
+    kp2, vp2 = torch.cat([p[0] for p in ps], 1), torch.cat([p[1] for p in ps], 1)
+    a2 = Q.quantize_kv(k2, v2, cfg, parts=(kp2, vp2))
+    tot2 = torch.zeros(2 * H, d)
+    for i in range(r):
+        tot2 = tot2 + kp2[i]
+    b2 = Q.quantize_kv(k2, v2, cfg, stats=Q.stats_from_sums(tot2, vp2.amax(0), L))
+    for key in ("k8", "ks", "km", "vs", "vinv"):
+        assert torch.equal(a2[key], b2[key]), key
+    assert torch.equal(a2["vq"].view(torch.uint8), b2["vq"].view(torch.uint8))
+    assert torch.equal(a2["hmax"], vp2.amax(0).amax(-1)) and torch.equal(a2["hmax"][H:], 2.0 * a["hmax"])
     with pytest.raises(ValueError, match="parts"):
         Q.quantize_kv(k4, v4, cfg, parts=(ks[..., :1].contiguous(), va[..., :1].contiguous()))
     with pytest.raises(ValueError, match="kv_partial_stats"):
         Q.kv_partial_stats(k.reshape(L, inner), v.reshape(L, inner))
+
+
+@interp
+def test_interp_prequantized_fp8_output_of_an_all_zero_v():
+    """v all zero: the e4m3 output is all zero and every row scale is 1/448 (the kernel's own branch for max |v| = 0),
+    not a division by zero."""
+    from h3_turbo.kernels import fused as fk
+
+    g = torch.Generator().manual_seed(5)
+    S, H, d = 70, 2, 64
+    qkv = (torch.randn(S, 3 * H * d, generator=g) * 2.0).to(torch.bfloat16)
+    qkv[:, 2 * H * d:] = 0
+    ang = torch.randn(S, 8, generator=g)
+    c, sn = torch.cos(ang), torch.sin(ang)
+    table = torch.stack([c, -sn, sn, c], dim=-1).reshape(1, S, 1, 8, 2, 2)
+    w = torch.ones(d, dtype=torch.bfloat16)
+    prep = fk.qk_norm_rope_sage(qkv, H, d, table, w, w, 1e-6)
+    view = lambda t: t.view(S, H, d).transpose(0, 1).unsqueeze(0)    # noqa: E731
+    o8, sx = Q.sage_attention_prequantized(prep["q8"], prep["qs"], view(qkv[:, H * d:2 * H * d]),
+                                           view(qkv[:, 2 * H * d:]), prep["ksum"], prep["vamax"],
+                                           config={"BLOCK_M": 64, "BLOCK_N": 64}, out_fp8=True)
+    assert not bool(o8.float().any()) and torch.equal(sx, torch.full((S, 1), 1.0 / 448.0))
 
 
 # ------------------------------------------------------------------ runner
@@ -468,5 +503,5 @@ def test_interpreted_kernels_in_subprocess():
     tail = proc.stdout[-6000:] + proc.stderr[-2000:]
     assert proc.returncode == 0, tail
     m = re.search(r"(\d+) passed", proc.stdout)
-    assert m and int(m.group(1)) == 18, tail
+    assert m and int(m.group(1)) == 19, tail
     assert "skipped" not in proc.stdout.splitlines()[-1], tail

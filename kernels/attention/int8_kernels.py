@@ -158,7 +158,8 @@ if triton is not None:
             for r in range(0, N_PARTS):
                 ksum += tl.load(KP + (r * tl.num_programs(1) + bh) * HEAD_DIM + offs_d)
                 vamax = tl.maximum(vamax, tl.load(VP + (r * tl.num_programs(1) + bh) * HEAD_DIM + offs_d))
-            # IEEE divisions (div_rn; Triton's '/' is approximate): torch's bits (stats_from_sums) from one partial
+            # IEEE divisions (div_rn; Triton's '/' is approximate): from one partial the bits of stats_from_sums on the
+            # CPU (torch on CUDA divides by a Python scalar as a * (1/b): within one ulp of these)
             km = tl.math.div_rn(ksum, n_f + tl.zeros([HEAD_DIM], dtype=tl.float32))
             one = 1.0 + tl.zeros([HEAD_DIM], dtype=tl.float32)      # torch's 448 / t is reciprocal(t) * 448
             vinv_p = tl.where(vamax > 0, tl.math.div_rn(one, tl.where(vamax > 0, vamax, 1.0)) * 448.0, 0.0)
@@ -666,7 +667,7 @@ def _launch(q, q8, qs, q8_strides, nqpad, kv, out, out_layout, osc, B, H, Lq, Lk
         HEAD_DIM=D, BLOCK_M=c["BLOCK_M"], BLOCK_N=c["BLOCK_N"], MAGIC=c["MAGIC"], PV_FP8=c["PV_FP8"],
         V_MEAN=c["V_MEAN"], INTERP=INTERPRET, IMPRECISE=None if c["IMPRECISE"] is None else min(c["IMPRECISE"], c["BLOCK_N"]),
         TMA=c["TMA"], QPRE=c["QPRE"], ROWSUM_MMA=c["ROWSUM_MMA"], Q_ROW=c["Q_ROW"], OUT_FP8=osc is not None,
-        HP=triton.next_power_of_2(B * H),
+        HP=triton.next_power_of_2(B * H) if osc is not None else 1,
         num_warps=c["num_warps"], num_stages=c["num_stages"], **launch)
     return out
 

@@ -664,14 +664,10 @@ def run_family(family, path, lname, inputs, sd_gpu, dev):
                              if "_fused" in n and "_fused_sage" not in n]
     for inp in inputs:
         for name, m in variants:
-            if FUSED_SAGE == "ab":
-                from h3_turbo.kernels import fused as fk
-
+            if FUSED_SAGE == "ab" and "_fused" in name:     # fk: imported where the fused variants are built
                 fk.SETTINGS["sage_route"] = "_fused_sage" in name
             saved = None
             if SETTINGS_B and "_fused_b" in name:
-                from h3_turbo.kernels import fused as fk
-
                 saved = dict(fk.SETTINGS)
                 unknown = sorted(set(SETTINGS_B) - set(saved))
                 if unknown:
@@ -754,12 +750,11 @@ PROFILE = [c for c in os.environ.get("PROFILE", "").split(",") if c]
 ATTN = [a for a in os.environ.get("ATTN", "int8_sage,exact").split(",") if a]
 FWD_REPS = int(os.environ.get("FWD_REPS", 1))
 FUSED = os.environ.get("FUSED") == "1"     # ours_fp8 also with the fused DiT blocks (runtime/fused_block.py)
-FUSED_SAGE_ENV = os.environ.get("FUSED_SAGE", "")
-SETTINGS_B = json.loads(os.environ.get("SETTINGS_B", "") or "{}")   # kernels.fused.SETTINGS for the _fused_b rows
-if SETTINGS_B and FUSED_SAGE_ENV == "ab":
-    raise SystemExit("bench_denoiser: SETTINGS_B and FUSED_SAGE=ab are two A/Bs; run one (put sage_route into SETTINGS_B)")
-FUSED_SAGE = FUSED_SAGE_ENV   # 1 / 0: the fused blocks' int8_sage producer route on / off
+FUSED_SAGE = os.environ.get("FUSED_SAGE", "")   # 1 / 0: the fused blocks' int8_sage producer route on / off
 #                                                 (kernels.fused.SETTINGS); ab: both, as <name>_fused / <name>_fused_sage
+SETTINGS_B = json.loads(os.environ.get("SETTINGS_B", "") or "{}")   # kernels.fused.SETTINGS for the _fused_b rows
+if SETTINGS_B and FUSED_SAGE == "ab":
+    raise SystemExit("bench_denoiser: SETTINGS_B and FUSED_SAGE=ab are two A/Bs; run one (put sage_route into SETTINGS_B)")
 TEXT = int(os.environ.get("TEXT", 16 if DRY else 300))
 SEED = 42
 

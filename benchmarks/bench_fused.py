@@ -367,11 +367,8 @@ def kernels_part():
             def fused_prep():       # what the route runs before the kernel (the partials reduced by quantize_kv)
                 p = fk.qk_norm_rope_sage(b1, HEADS, HD, table, qw, kw, 1e-6)
                 c = dict(tuned, QPRE=True, Q_ROW=True)
-                if p["ksum"].shape[0] > 1 or fk.SETTINGS["sage_stats"] == "pass":
-                    return K.quantize_kv(view(b1[:, inner:2 * inner]), view(b1[:, 2 * inner:]), c,
-                                         parts=(p["ksum"], p["vamax"]))
                 return K.quantize_kv(view(b1[:, inner:2 * inner]), view(b1[:, 2 * inner:]), c,
-                                     stats=K.stats_from_sums(p["ksum"], p["vamax"], s))
+                                     parts=(p["ksum"], p["vamax"]))
 
             def unfused_chain():
                 v = fk.qk_norm_rope(b0, HEADS, HD, table, qw, kw, 1e-6)

@@ -116,6 +116,15 @@ if triton is not None:
         return _round_i8(x * inv, 127.0), amax
 
     @triton.jit
+    def _e4m3_scales(amax):
+        """:func:`_v_scales` in a kernel, the same bits as torch on the CPU: (``amax / 448``, ``448 / amax`` or 0 where
+        amax is 0), with IEEE divisions (``div_rn``; Triton's ``/`` is approximate) and torch's ``448 / t`` =
+        ``reciprocal(t) * 448`` (torch on CUDA divides by a Python scalar as ``a * (1/b)``: within one ulp)."""
+        c448 = tl.full(amax.shape, 448.0, tl.float32)
+        inv = tl.math.div_rn(tl.full(amax.shape, 1.0, tl.float32), tl.where(amax > 0, amax, 1.0)) * 448.0
+        return tl.math.div_rn(amax, c448), tl.where(amax > 0, inv, 0.0)
+
+    @triton.jit
     def _kv_colstats_kernel(K, V, KSUM, VAMAX, skl, skh, svl, svh, H, L, ROWS,
                             HEAD_DIM: tl.constexpr, BLOCK_L: tl.constexpr):
         """Partial column statistics of one head over rows [r * ROWS, (r + 1) * ROWS): KSUM[r, h, :] = sum of k,
@@ -158,15 +167,13 @@ if triton is not None:
             for r in range(0, N_PARTS):
                 ksum += tl.load(KP + (r * tl.num_programs(1) + bh) * HEAD_DIM + offs_d)
                 vamax = tl.maximum(vamax, tl.load(VP + (r * tl.num_programs(1) + bh) * HEAD_DIM + offs_d))
-            # IEEE divisions (div_rn; Triton's '/' is approximate): from one partial the bits of stats_from_sums on the
-            # CPU (torch on CUDA divides by a Python scalar as a * (1/b): within one ulp of these)
-            km = tl.math.div_rn(ksum, n_f + tl.zeros([HEAD_DIM], dtype=tl.float32))
-            one = 1.0 + tl.zeros([HEAD_DIM], dtype=tl.float32)      # torch's 448 / t is reciprocal(t) * 448
-            vinv_p = tl.where(vamax > 0, tl.math.div_rn(one, tl.where(vamax > 0, vamax, 1.0)) * 448.0, 0.0)
+            # from one partial the bits of stats_from_sums on the CPU (see _e4m3_scales)
+            km = tl.math.div_rn(ksum, tl.full([HEAD_DIM], n_f, tl.float32))
+            vs_p, vinv_p = _e4m3_scales(vamax)
             if j == 0:   # one program per head writes what the attention kernel and the caller read
                 tl.store(KM + bh * HEAD_DIM + offs_d, km)
                 tl.store(VINV + bh * HEAD_DIM + offs_d, vinv_p)
-                tl.store(VS + bh * HEAD_DIM + offs_d, tl.math.div_rn(vamax, 448.0 + tl.zeros([HEAD_DIM], dtype=tl.float32)))
+                tl.store(VS + bh * HEAD_DIM + offs_d, vs_p)
                 tl.store(HMAX + bh, tl.max(vamax, 0))
         # ---- K: smooth, per-block int8
         kp = _bhld_ptrs(K, b, h, offs_n, offs_d, skb, skh, skn, skd)
@@ -383,16 +390,12 @@ if triton is not None:
         if OUT_FP8:     # e4m3 with one scale for the whole output: max|v| / 448 (HMAX: max|v| per (b, h))
             offs_h = tl.arange(0, HP)
             gmax = tl.max(tl.load(HMAX + offs_h, mask=offs_h < tl.num_programs(1), other=0.0), 0)
-            g1 = gmax + tl.zeros([1], dtype=tl.float32)
-            c448 = 448.0 + tl.zeros([1], dtype=tl.float32)
-            osc = tl.sum(tl.where(g1 > 0, tl.math.div_rn(c448 * 0.0 + 1.0, tl.where(g1 > 0, g1, 1.0)) * 448.0, 0.0), 0)
-            out = tl.minimum(tl.maximum(out * osc, -448.0), 448.0)
+            gs, ginv = _e4m3_scales(tl.full([BLOCK_M], gmax, tl.float32))
+            out = tl.minimum(tl.maximum(out * ginv[:, None], -448.0), 448.0)
             if INTERP:
                 out = _rne_e4m3(out)
             if bh == 0:   # the row scales of the out_proj's fp8 input (1/448 for an all-zero v)
-                sx1 = tl.sum(tl.where(g1 > 0, tl.math.div_rn(g1, c448), 1.0 / 448.0), 0)
-                sxv = sx1 + tl.zeros([BLOCK_M], dtype=tl.float32)
-                tl.store(SX + offs_m, sxv, mask=offs_m < N_Q)
+                tl.store(SX + offs_m, tl.where(gs > 0, gs, 1.0 / 448.0), mask=offs_m < N_Q)
         elif INTERP:
             if OUT.dtype.element_ty == tl.bfloat16:
                 out = _rne_bf16(out)
@@ -482,10 +485,7 @@ def kv_partial_stats(k: torch.Tensor, v: torch.Tensor, parts: int = 16, block_l:
 
 def stats_from_sums(ksum: torch.Tensor, vamax: torch.Tensor, n: int):
     """:func:`kv_stats` (``V_MEAN`` off, fp8 P V) from a producer's sums: ``ksum`` [B*H, D] float32 (the sum of k
-    over its ``n`` tokens), ``vamax`` [B*H, D] float32 (max |v| over the tokens), or [R, B*H, D] partials of both
-    (:func:`kv_partial_stats`) -> (km, vm, vs, vinv)."""
-    if ksum.ndim == 3:
-        ksum, vamax = ksum.sum(dim=0), vamax.amax(dim=0)
+    over its ``n`` tokens), ``vamax`` [B*H, D] float32 (max |v| over the tokens) -> (km, vm, vs, vinv)."""
     km = ksum / float(n)
     vs, vinv = _v_scales(vamax)
     return km.contiguous(), torch.zeros_like(km), vs.contiguous(), vinv.contiguous()
@@ -639,9 +639,9 @@ def sage_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: flo
     return out
 
 
-def _launch(q, q8, qs, q8_strides, nqpad, kv, out, out_layout, osc, B, H, Lq, Lk, D, sm, c):
+def _launch(q, q8, qs, q8_strides, nqpad, kv, out, out_layout, fp8_scales, B, H, Lq, Lk, D, sm, c):
     """The attention kernel's launch (shared by :func:`sage_attention` and :func:`sage_attention_prequantized`).
-    ``osc``: None (output in ``out``'s dtype) or (hmax float32 [B*H] = max |v| per (b, h), sx float32 [Lq, 1]): an
+    ``fp8_scales``: None (output in ``out``'s dtype) or (hmax float32 [B*H] = max |v| per (b, h), sx float32 [Lq, 1]): an
     e4m3 output with the one scale max(hmax) / 448, which the kernel also writes into every row of sx."""
     if out_layout == "bhld":
         so = out.stride()
@@ -660,14 +660,14 @@ def _launch(q, q8, qs, q8_strides, nqpad, kv, out, out_layout, osc, B, H, Lq, Lk
             vq = TensorDescriptor(vq.view(B * H * npad, D), [B * H * npad, D], [D, 1], [bn, D])
     launch = {"maxnreg": c["MAXNREG"]} if c["MAXNREG"] else {}
     ones = _ones_e4m3(q.device, c["BLOCK_N"]) if c["ROWSUM_MMA"] else q
-    hmax, sx = osc if osc is not None else (kv["vs"], kv["vs"])
+    hmax, sx = fp8_scales if fp8_scales is not None else (kv["vs"], kv["vs"])
     _attn_fwd_kernel[grid](
         q, q8, qs, k8, kv["ks"], vq, kv["vs"], kv["vm"] if kv["vm"] is not None else kv["vs"], out, ones, hmax, sx,
         *q.stride(), *so, *q8_strides, H, Lq, nqpad, Lk, kv["n_kpad"], sm * LOG2E,
         HEAD_DIM=D, BLOCK_M=c["BLOCK_M"], BLOCK_N=c["BLOCK_N"], MAGIC=c["MAGIC"], PV_FP8=c["PV_FP8"],
         V_MEAN=c["V_MEAN"], INTERP=INTERPRET, IMPRECISE=None if c["IMPRECISE"] is None else min(c["IMPRECISE"], c["BLOCK_N"]),
-        TMA=c["TMA"], QPRE=c["QPRE"], ROWSUM_MMA=c["ROWSUM_MMA"], Q_ROW=c["Q_ROW"], OUT_FP8=osc is not None,
-        HP=triton.next_power_of_2(B * H) if osc is not None else 1,
+        TMA=c["TMA"], QPRE=c["QPRE"], ROWSUM_MMA=c["ROWSUM_MMA"], Q_ROW=c["Q_ROW"], OUT_FP8=fp8_scales is not None,
+        HP=triton.next_power_of_2(B * H) if fp8_scales is not None else 1,
         num_warps=c["num_warps"], num_stages=c["num_stages"], **launch)
     return out
 
@@ -680,8 +680,8 @@ def sage_attention_prequantized(q8: torch.Tensor, qs: torch.Tensor, k: torch.Ten
     :func:`sage_attention` (module docstring) without the Q pre-kernel and the K/V statistics pass.
 
     q8 int8 [L, H, D] (token-major, contiguous); qs float32 [L, H] (``max|q_row| / 127`` per row and head);
-    k, v [1, H, L, D] bf16/fp16 views (any strides); ksum / vamax float32 [H, D] (sum of k, max |v| over the L
-    tokens) or [R, H, D] partials of them (:func:`kv_partial_stats`), reduced inside the K/V pre-kernel; every
+    k, v [1, H, L, D] bf16/fp16 views (any strides); ksum / vamax float32 (sum of k, max |v| over the L
+    tokens) as [R, H, D] partials (:func:`kv_partial_stats`; R = 1 for whole sums), reduced inside the K/V pre-kernel; every
     scale of the route is computed by the kernels (no torch op between the launches). ``scale`` > 0 (default D ** -0.5). ``config``: launch configuration (default
     :func:`tuned_config`); ``Q_ROW`` and ``QPRE`` are forced on, ``V_MEAN`` must be off and ``PV_FP8`` on.
     Returns [1, L, H*D] in k's dtype (core's layout), or with ``out_fp8`` the out_proj input of the fp8 path:
@@ -700,9 +700,7 @@ def sage_attention_prequantized(q8: torch.Tensor, qs: torch.Tensor, k: torch.Ten
     if q8.dtype != torch.int8 or tuple(q8.shape) != (L, H, D) or not q8.is_contiguous():
         raise ValueError(f"attention_int8.prequantized: q8 must be a contiguous int8 [{L}, {H}, {D}], got "
                          f"{q8.dtype} {tuple(q8.shape)}")
-    if ksum.ndim == 2:
-        ksum, vamax = ksum.unsqueeze(0), vamax.unsqueeze(0) if vamax.ndim == 2 else vamax
-    r = ksum.shape[0] if ksum.ndim == 3 else 1
+    r = ksum.shape[0] if ksum.ndim == 3 else -1
     for name, t, shape in (("qs", qs, (L, H)), ("ksum", ksum, (r, H, D)), ("vamax", vamax, (r, H, D))):
         if t.dtype != torch.float32 or tuple(t.shape) != shape or not t.is_contiguous():
             raise ValueError(f"attention_int8.prequantized: {name} must be a contiguous float32 {list(shape)}, got "

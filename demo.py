@@ -3,7 +3,6 @@ default model. ``python -m h3_turbo.demo --help`` prints :data:`HELP`."""
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
 import sys
@@ -103,14 +102,12 @@ def main(argv: list[str] | None = None) -> int:
     print(f"[h3-turbo demo] ComfyUI: {path}")
     # the workflow is read before the fixtures and ComfyUI's boot: a wrong path fails at once
     wf_path = Path(args.workflow)
+    from .client import ClientError, load_workflow
+
     try:
-        prompt = json.loads(wf_path.read_text())
-    except (OSError, json.JSONDecodeError) as e:
-        print(f"[h3-turbo demo] cannot read workflow {wf_path}: {e}", file=sys.stderr)
-        return 2
-    if not isinstance(prompt, dict):
-        print(f"[h3-turbo demo] {wf_path}: not an API-format workflow (expected a JSON object of node ids)",
-              file=sys.stderr)
+        prompt = load_workflow(wf_path)    # refuses UI-format files, naming their api/ twin
+    except ClientError as e:
+        print(f"[h3-turbo demo] {e}", file=sys.stderr)
         return 2
     print(f"[h3-turbo demo] workflow: {wf_path}")
 

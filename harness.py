@@ -23,23 +23,36 @@ class ComfyUINotFound(RuntimeError):
     """No ComfyUI checkout with MiniMax H3 support could be found."""
 
 
+def _is_h3_comfyui(p: Path) -> bool:
+    return (p / "comfy" / "ldm" / "minimax" / "model.py").is_file() and (p / "execution.py").is_file()
+
+
 def find_comfyui(explicit: str | os.PathLike | None = None) -> Path:
     """Locate a ComfyUI checkout with H3 support (``comfy/ldm/minimax/model.py``).
 
-    Order: ``explicit``, ``$COMFYUI_PATH``, the ComfyUI this pack sits in (``<ComfyUI>/custom_nodes/<pack>``),
-    then ``~/ComfyUI``. Raises :class:`ComfyUINotFound` naming every place tried.
+    ``explicit`` (a path the user named) is used if it is one, else refused. Without it: ``$COMFYUI_PATH`` (a
+    wrong one is logged as a warning), the ComfyUI this pack sits in (``<ComfyUI>/custom_nodes/<pack>``), then
+    ``~/ComfyUI``. Raises :class:`ComfyUINotFound` naming the explicit path, or every place tried.
     """
     here = Path(__file__).resolve().parent
+    if explicit:                 # a path the user named is used or refused, never replaced by a guess
+        p = Path(explicit)
+        if _is_h3_comfyui(p):
+            return p.resolve()
+        raise ComfyUINotFound(
+            f"{p}: not a ComfyUI checkout with MiniMax H3 support (expected {p / 'execution.py'} and "
+            f"{p / 'comfy/ldm/minimax/model.py'}). Pass a ComfyUI checkout of 2026-08 or newer.")
     cands: list[tuple[str, Path]] = []
-    if explicit:
-        cands.append(("argument", Path(explicit)))
     if os.environ.get("COMFYUI_PATH"):
         cands.append(("$COMFYUI_PATH", Path(os.environ["COMFYUI_PATH"])))
     if here.parent.name == "custom_nodes":
         cands.append(("parent of custom_nodes/", here.parent.parent))
     cands.append(("default", DEFAULT_COMFYUI))
-    for _, p in cands:
-        if (p / "comfy" / "ldm" / "minimax" / "model.py").is_file() and (p / "execution.py").is_file():
+    for i, (src, p) in enumerate(cands):
+        if _is_h3_comfyui(p):
+            if i and cands[0][0] == "$COMFYUI_PATH":
+                log.warning("$COMFYUI_PATH=%s is not a ComfyUI with H3 support; using %s (%s) instead",
+                            cands[0][1], p, src)
             return p.resolve()
     tried = ", ".join(f"{src}: {p}" for src, p in cands)
     raise ComfyUINotFound(

@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -11,6 +12,8 @@ from safetensors.torch import load_file
 
 from h3_turbo.tools.__main__ import main
 from h3_turbo.tools.variants import damage, make_format_variants
+
+EXAMPLES = Path(__file__).resolve().parents[1] / "example_workflows"
 
 
 @pytest.fixture(scope="module")
@@ -261,12 +264,57 @@ def test_demo_refuses_an_unreadable_workflow_before_making_fixtures(comfy, tmp_p
     monkeypatch.setattr(fixtures, "make_fixtures", no_fixtures)
     missing = tmp_path / "nope.json"
     assert demo.main(["--workflow", str(missing), "--out", str(tmp_path / "o")]) == 2
-    assert f"cannot read workflow {missing}" in capsys.readouterr().err
+    assert f"{missing}: cannot read the workflow JSON" in capsys.readouterr().err
     lst = tmp_path / "list.json"
     lst.write_text("[1, 2]")
     assert demo.main(["--workflow", str(lst), "--out", str(tmp_path / "o")]) == 2
-    assert "not an API-format workflow" in capsys.readouterr().err
+    assert f"{lst}: not an API-format workflow" in capsys.readouterr().err
+    ui = EXAMPLES / "h3turbo_tiny_demo.json"          # the UI-format example: refused, its api/ twin named
+    assert demo.main(["--workflow", str(ui), "--out", str(tmp_path / "o")]) == 2
+    err = capsys.readouterr().err
+    assert f"{ui}: this is a UI-format workflow (nodes/links)" in err
+    assert "example_workflows/api/h3turbo_tiny_demo.json" in err and "Traceback" not in err
     assert not (tmp_path / "o").exists()
+
+
+def test_demo_refuses_a_named_comfyui_that_is_not_one(tmp_path, capsys, monkeypatch):
+    """``--comfyui DIR`` that is not a ComfyUI with H3 exits 2 naming DIR, even when a valid ComfyUI is elsewhere
+    ($COMFYUI_PATH / ~/ComfyUI): a named path is never silently replaced."""
+    from h3_turbo import demo, harness
+
+    good = tmp_path / "good"
+    (good / "comfy" / "ldm" / "minimax").mkdir(parents=True)
+    (good / "comfy" / "ldm" / "minimax" / "model.py").write_text("")
+    (good / "execution.py").write_text("")
+    monkeypatch.setenv("COMFYUI_PATH", str(good))
+    bad = tmp_path / "not_comfy"
+    bad.mkdir()
+    assert demo.main(["--comfyui", str(bad), "--out", str(tmp_path / "o")]) == 2
+    err = capsys.readouterr().err
+    assert f"{bad}: not a ComfyUI checkout with MiniMax H3 support" in err and str(good) not in err
+    with pytest.raises(harness.ComfyUINotFound, match="not_comfy"):
+        harness.find_comfyui(bad)
+    assert harness.find_comfyui(good) == good.resolve()
+    assert harness.find_comfyui() == good.resolve()
+    assert not (tmp_path / "o").exists()
+
+
+def test_a_wrong_comfyui_path_env_is_logged_when_another_is_used(tmp_path, monkeypatch, caplog):
+    """A $COMFYUI_PATH that is not a ComfyUI falls through to the next place, with a warning naming both."""
+    from h3_turbo import harness
+
+    good = tmp_path / "home" / "ComfyUI"
+    (good / "comfy" / "ldm" / "minimax").mkdir(parents=True)
+    (good / "comfy" / "ldm" / "minimax" / "model.py").write_text("")
+    (good / "execution.py").write_text("")
+    monkeypatch.setattr(harness, "DEFAULT_COMFYUI", good)
+    monkeypatch.setenv("COMFYUI_PATH", str(tmp_path / "missing"))
+    with caplog.at_level("WARNING", logger="h3_turbo"):
+        assert harness.find_comfyui() == good.resolve()
+    assert f"$COMFYUI_PATH={tmp_path / 'missing'} is not a ComfyUI with H3 support; using {good}" in caplog.text
+    monkeypatch.setattr(harness, "DEFAULT_COMFYUI", tmp_path / "none")
+    with pytest.raises(harness.ComfyUINotFound, match="missing"):
+        harness.find_comfyui()
 
 
 @pytest.mark.comfyui

@@ -352,6 +352,25 @@ def _dequantized(x8, sx, dtype):
     return (x8.float() * sx).to(dtype)
 
 
+def _gluon_config(c: dict, device) -> dict:
+    """``c`` with the Gluon attention kernel (``kernels.fused.SETTINGS["sage_gluon"]``), or ``c`` unchanged with the
+    reason logged once when this device / Triton cannot run it or ``c`` is not the configuration it implements."""
+    from ..kernels.attention import int8_gluon, int8_kernels
+
+    why = int8_gluon.available(device)
+    g = dict(c, GLUON=True, MAXNREG=None, BLOCK_M=16 * c["num_warps"], Q_ROW=True, QPRE=True)
+    if why is None:
+        try:
+            int8_kernels._cfg(g)
+        except ValueError as e:
+            why = str(e)
+    if why is not None:
+        log_once(("sage_gluon", why), "H3 Turbo fused block: SETTINGS['sage_gluon'] is on but the Gluon attention "
+                 "kernel cannot run (%s) -> the Triton kernel", why, level=logging.WARNING)
+        return c
+    return g
+
+
 def _sage_route(transformer_options, x, head_dim: int, ops):
     """(override, config) when ``kernels.fused.SETTINGS["sage_route"]`` is on (the default; docs/kernels.md), the MODEL's attention override is the pack's ``int8_sage`` and its kernel can take this block's
     call fused (:func:`kernels.fused.qk_norm_rope_sage` + ``sage_attention_prequantized``); else None (core's
@@ -374,6 +393,8 @@ def _sage_route(transformer_options, x, head_dim: int, ops):
         why, c = ov.config_for(x.device, x.shape[0])
         if why is None and (c["V_MEAN"] or not c["PV_FP8"]):
             why = "its configuration has V_MEAN on or PV_FP8 off"
+        if why is None and fk.SETTINGS["sage_gluon"]:
+            c = _gluon_config(c, x.device)
     if why is not None:
         log_once(("fused_sage", why), "H3 Turbo fused block: int8_sage attention not fused into the block (%s) -> "
                  "core's attention call with the int8_sage override", why)

@@ -469,6 +469,69 @@ def test_interp_kv_partial_stats_feed_quantize_kv(L, H, d, parts):
         Q.kv_partial_stats(k.reshape(L, inner), v.reshape(L, inner))
 
 
+GLUON_CFG = {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "GLUON": True, "TMA": True, "QPRE": True, "Q_ROW": True,
+             "ROWSUM_MMA": True}
+
+
+def _v_perm32(n: int) -> torch.Tensor:
+    """Column of key c in the Gluon kernel's V: within each 32 keys, c = 16h + 8i + 2t + e -> 16h + 4t + 2i + e."""
+    c = torch.arange(n)
+    h, i, t, e = (c >> 4) & 1, (c >> 3) & 1, (c >> 1) & 3, c & 1
+    return (c & ~31) + 16 * h + 4 * t + 2 * i + e
+
+
+def test_gluon_key_order_is_a_permutation_within_each_32():
+    p = _v_perm32(128)
+    assert sorted(p.tolist()) == list(range(128))
+    assert bool(((p // 32) == (torch.arange(128) // 32)).all())
+    # thread t of a quad holds accumulator columns {2t, 2t+1, 8+2t, 9+2t}: A-operand positions 4t .. 4t+3
+    for t in range(4):
+        assert p[[2 * t, 2 * t + 1, 8 + 2 * t, 9 + 2 * t]].tolist() == [4 * t + j for j in range(4)]
+        assert p[[16 + 2 * t, 17 + 2 * t, 24 + 2 * t, 25 + 2 * t]].tolist() == [16 + 4 * t + j for j in range(4)]
+
+
+@interp
+def test_interp_quantize_kv_for_the_gluon_kernel_permutes_only_v_keys():
+    """``quantize_kv`` with config GLUON: the same K codes and scales, and V's e4m3 [D, L_pad] with each 32 keys in
+    the Gluon kernel's order (``_v_perm32``), bit for bit the plain V with its columns moved; ``v_perm32`` says so."""
+    g = torch.Generator().manual_seed(9)
+    L, H, d = 150, 2, 64
+    k = (torch.randn(1, H, L, d, generator=g) * 2).to(torch.bfloat16)
+    v = (torch.randn(1, H, L, d, generator=g) * 3).to(torch.bfloat16)
+    ks, va = Q.kv_partial_stats(k[0].transpose(0, 1), v[0].transpose(0, 1))
+    plain = dict(GLUON_CFG, GLUON=False)
+    a = Q.quantize_kv(k, v, plain, parts=(ks, va))
+    b = Q.quantize_kv(k, v, GLUON_CFG, parts=(ks, va))
+    assert a["v_perm32"] is False and b["v_perm32"] is True and a["n_kpad"] == b["n_kpad"] == 192
+    for key in ("k8", "ks", "km", "vs", "vinv", "hmax"):
+        assert torch.equal(a[key], b[key]), key
+    moved = torch.empty_like(a["vq"].view(torch.uint8))
+    moved[..., _v_perm32(192)] = a["vq"].view(torch.uint8)
+    assert torch.equal(b["vq"].view(torch.uint8), moved)
+
+
+def test_gluon_config_is_refused_where_it_does_not_apply():
+    """GLUON implements one configuration (prequantized Q per row, TMA, MAGIC, e4m3 P V, row sums on the tensor cores,
+    BLOCK_M = 16 * num_warps): other combinations, ``sage_attention`` and a device without it are refused by name."""
+    from h3_turbo.errors import NoCapablePathError
+    from h3_turbo.kernels.attention import int8_gluon
+
+    Q._cfg(GLUON_CFG)
+    for bad, name in (({"ROWSUM_MMA": False}, "ROWSUM_MMA"), ({"BLOCK_M": 128}, "BLOCK_M=128"),
+                      ({"BLOCK_N": 256}, "BLOCK_N=256"), ({"Q_ROW": False}, "Q_ROW")):
+        with pytest.raises(ValueError, match=name):
+            Q._cfg(dict(GLUON_CFG, **bad))
+    q = torch.zeros(1, 2, 16, 64, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="GLUON is for sage_attention_prequantized"):
+        Q.sage_attention(q, q, q, config=GLUON_CFG)
+    assert "not CUDA" in int8_gluon.available("cpu") or "not importable" in int8_gluon.available("cpu")
+    L, H, d = 16, 2, 64
+    k = torch.zeros(1, H, L, d, dtype=torch.bfloat16)
+    with pytest.raises(NoCapablePathError, match="config GLUON on cpu"):
+        Q.sage_attention_prequantized(torch.zeros(L, H, d, dtype=torch.int8), torch.zeros(L, H), k, k,
+                                      torch.zeros(1, H, d), torch.zeros(1, H, d), config=GLUON_CFG)
+
+
 @interp
 def test_interp_prequantized_fp8_output_of_an_all_zero_v():
     """v all zero: the e4m3 output is all zero and every row scale is 1/448 (the kernel's own branch for max |v| = 0),
@@ -503,5 +566,5 @@ def test_interpreted_kernels_in_subprocess():
     tail = proc.stdout[-6000:] + proc.stderr[-2000:]
     assert proc.returncode == 0, tail
     m = re.search(r"(\d+) passed", proc.stdout)
-    assert m and int(m.group(1)) == 19, tail
+    assert m and int(m.group(1)) == 20, tail
     assert "skipped" not in proc.stdout.splitlines()[-1], tail

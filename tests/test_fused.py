@@ -411,3 +411,18 @@ def test_attention_wrapper_follows_cores_forward(comfy):
     t = torch.ones(2, 3)
     assert fb._attention_wrapper(PlainAttention.__new__(PlainAttention))(t) is t
     assert not (fb._ATTN_NAMES - fb._names(PlainAttention.forward))
+
+
+def test_sage_gluon_setting_falls_back_to_the_triton_kernel_with_its_reason_logged(caplog):
+    """``SETTINGS["sage_gluon"]`` where the Gluon kernel cannot run (here: a CPU device) keeps the route's Triton
+    configuration unchanged and logs why once, as a WARNING; a configuration it cannot implement is refused alike."""
+    from h3_turbo.kernels.attention import int8_kernels as K
+    from h3_turbo.runtime import fused_block as fb
+
+    c = dict(K.tuned_config("cpu", 1024), TMA=True, QPRE=True, ROWSUM_MMA=True)
+    with caplog.at_level(logging.WARNING, logger="h3_turbo"):
+        assert fb._gluon_config(c, torch.device("cpu")) is c
+        fb._gluon_config(c, torch.device("cpu"))
+    msgs = [r.getMessage() for r in caplog.records if "sage_gluon" in r.getMessage()]
+    assert len(msgs) == 1 and "not CUDA" in msgs[0] and "-> the Triton kernel" in msgs[0]
+    assert c["GLUON"] is False

@@ -83,7 +83,8 @@ LOG2_FP8_MAX = math.log2(FP8_MAX)
 # Default launch configuration (any GPU with FP8 tensor cores; cp.async loads, Q quantized in-kernel).
 DEFAULT_CONFIG = {"BLOCK_M": 64, "BLOCK_N": 128, "num_warps": 4, "num_stages": 3, "MAGIC": True,
                   "PV_FP8": True, "V_MEAN": False, "IMPRECISE": None,
-                  "TMA": False, "QPRE": False, "ROWSUM_MMA": False, "MAXNREG": None, "Q_ROW": False}
+                  "TMA": False, "QPRE": False, "ROWSUM_MMA": False, "MAXNREG": None, "Q_ROW": False,
+                  "GLUON": False}
 # Hopper (compute capability 9.x): (largest key length or None, changes from DEFAULT_CONFIG); the first row
 # that fits is used. K/V through TMA, Q quantized by its pre-kernel, row sums on the tensor cores, at most
 # 168 registers per thread (how this row was chosen: docs/attention.md).
@@ -152,7 +153,8 @@ if triton is not None:
                          skb, skh, skn, skd, svb, svh, svn, svd,
                          H, N_K, N_KPAD, N_PARTS, n_f,
                          HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, PV_FP8: tl.constexpr,
-                         V_MEAN: tl.constexpr, INTERP: tl.constexpr, FROM_PARTS: tl.constexpr):
+                         V_MEAN: tl.constexpr, INTERP: tl.constexpr, FROM_PARTS: tl.constexpr,
+                         V_PERM32: tl.constexpr):
         j = tl.program_id(0)
         bh = tl.program_id(1)
         b = bh // H
@@ -199,6 +201,10 @@ if triton is not None:
             if INTERP:
                 v8 = _rne_e4m3(v8)
             v8 = v8.to(tl.float8e4nv)
+            if V_PERM32:    # key c = 16h + 8i + 2t + e of each 32 at column 16h + 4t + 2i + e (int8_gluon.py), moved
+                # in registers so that the store stays contiguous
+                v8 = tl.reshape(tl.permute(tl.reshape(v8, [BLOCK_N // 32, 2, 2, 4, 2, HEAD_DIM]), (0, 1, 3, 2, 4, 5)),
+                                [BLOCK_N, HEAD_DIM])
             tl.store(VQ + base + offs_d[None, :] * N_KPAD + offs_n[:, None], v8)      # [D, L_pad]
         else:
             if INTERP:
@@ -441,6 +447,14 @@ def _cfg(config: dict | None) -> dict:
         raise ValueError("attention_int8: ROWSUM_MMA needs PV_FP8 (the row sum runs on the e4m3 P)")
     if c["Q_ROW"] and not c["QPRE"]:
         raise ValueError("attention_int8: Q_ROW needs QPRE (the per-row Q scales come from a pre-kernel or producer)")
+    if c["GLUON"]:      # the Gluon kernel (int8_gluon.py) implements exactly this configuration
+        need = {"TMA": True, "QPRE": True, "Q_ROW": True, "MAGIC": True, "PV_FP8": True, "ROWSUM_MMA": True,
+                "V_MEAN": False, "IMPRECISE": None}
+        bad = sorted(k for k, v in need.items() if c[k] != v)
+        if bad or c["BLOCK_M"] != 16 * c["num_warps"] or c["BLOCK_N"] not in (64, 128):
+            raise ValueError(f"attention_int8: GLUON needs {need}, BLOCK_M = 16 * num_warps and BLOCK_N 64 or 128; got "
+                             f"{ {k: c[k] for k in bad} } BLOCK_M={c['BLOCK_M']} num_warps={c['num_warps']} "
+                             f"BLOCK_N={c['BLOCK_N']}")
     return c
 
 
@@ -499,7 +513,8 @@ def _v_scales(amax: torch.Tensor):
 def quantize_kv(k: torch.Tensor, v: torch.Tensor, config: dict | None = None, stats=None, parts=None):
     """Pre-kernel: k, v [B, H, L, D] (bf16/fp16, any strides) -> dict with ``k8`` int8 [B*H, L_pad, D]
     (smoothed, per-block of BLOCK_N keys), ``ks`` float32 [B*H, L_pad/BLOCK_N], ``vq`` (e4m3
-    [B*H, D, L_pad] if PV_FP8 else bf16 [B*H, L_pad, D]), ``km``/``vm``/``vs``/``vinv`` float32 [B*H, D],
+    [B*H, D, L_pad] if PV_FP8 else bf16 [B*H, L_pad, D]; with ``GLUON`` the keys of each 32 in the order of
+    :mod:`.int8_gluon`'s P registers, ``v_perm32`` True), ``km``/``vm``/``vs``/``vinv`` float32 [B*H, D],
     ``n_kpad`` = L rounded up to BLOCK_N. Rows past L are written as zeros. ``stats``: (km, vm, vs, vinv)
     already computed (e.g. :func:`stats_from_sums`), else :func:`kv_stats` here. ``parts``: (ksum, vamax) partials
     [R, B*H, D] (:func:`kv_partial_stats`; needs V_MEAN off and PV_FP8): the kernel reduces them itself (no torch
@@ -533,8 +548,9 @@ def quantize_kv(k: torch.Tensor, v: torch.Tensor, config: dict | None = None, st
         k, v, km, vm if vm is not None else km, vinv, k8, ks, vq, kp, vp, vs, hmax if hmax is not None else km,
         *k.stride(), *v.stride(), H, L, npad, kp.shape[0] if parts is not None else 0, float(max(L, 1)),
         HEAD_DIM=D, BLOCK_N=bn, PV_FP8=c["PV_FP8"], V_MEAN=c["V_MEAN"], INTERP=INTERPRET,
-        FROM_PARTS=parts is not None, num_warps=4)
-    out = {"k8": k8, "ks": ks, "vq": vq, "km": km, "vm": vm, "vs": vs, "vinv": vinv, "n_kpad": npad}
+        FROM_PARTS=parts is not None, V_PERM32=c["GLUON"], num_warps=4)
+    out = {"k8": k8, "ks": ks, "vq": vq, "km": km, "vm": vm, "vs": vs, "vinv": vinv, "n_kpad": npad,
+           "v_perm32": c["GLUON"]}
     if hmax is not None:
         out["hmax"] = hmax
     return out
@@ -611,6 +627,9 @@ def sage_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: flo
     if Lq < 1 or Lk < 1:
         raise ValueError(f"attention_int8: empty sequence: q {tuple(q.shape)}, k {tuple(k.shape)} (L >= 1 expected)")
     c = _cfg(config if config is not None else tuned_config(q.device, Lk))
+    if c["GLUON"]:
+        raise ValueError("attention_int8: config GLUON is for sage_attention_prequantized (batch 1, Q quantized by its "
+                         "producer); sage_attention runs the Triton kernel")
     sm = (D ** -0.5) if scale is None else float(scale)
     if not math.isfinite(sm):
         raise ValueError(f"attention_int8: scale {scale!r} is not finite")
@@ -643,6 +662,11 @@ def _launch(q, q8, qs, q8_strides, nqpad, kv, out, out_layout, fp8_scales, B, H,
     """The attention kernel's launch (shared by :func:`sage_attention` and :func:`sage_attention_prequantized`).
     ``fp8_scales``: None (output in ``out``'s dtype) or (hmax float32 [B*H] = max |v| per (b, h), sx float32 [Lq, 1]): an
     e4m3 output with the one scale max(hmax) / 448, which the kernel also writes into every row of sx."""
+    if c["GLUON"]:     # sage_attention_prequantized's layout (checked there, before any launch)
+        from . import int8_gluon
+
+        return int8_gluon.launch_prequantized(q8, qs, kv, out, fp8_scales, _ones_e4m3(q.device, c["BLOCK_N"]), H, Lq, D,
+                                                sm * LOG2E, c)
     if out_layout == "bhld":
         so = out.stride()
     else:
@@ -715,6 +739,12 @@ def sage_attention_prequantized(q8: torch.Tensor, qs: torch.Tensor, k: torch.Ten
     c = _cfg(c)
     if c["V_MEAN"] or not c["PV_FP8"]:
         raise ValueError("attention_int8.prequantized: needs V_MEAN off and PV_FP8 on (the producer sums max |v|)")
+    if c["GLUON"]:
+        from . import int8_gluon
+
+        why = int8_gluon.available(k.device)
+        if why is not None:
+            raise NoCapablePathError(f"attention_int8.prequantized: config GLUON on {k.device}: {why}")
     kv = quantize_kv(k, v, c, parts=(ksum, vamax))
     if out_fp8:
         sx = torch.empty((L, 1), device=k.device, dtype=torch.float32)

@@ -32,9 +32,10 @@ To keep the tiny fixtures (for a live ComfyUI server), write them with
   python -m h3_turbo.tools make-fixtures DIR
 (README, "Serve the tiny demo").
 
-ComfyUI: --comfyui, else $COMFYUI_PATH, else the ComfyUI this pack is installed in, else ~/ComfyUI.
+ComfyUI: --comfyui DIR (used as it is: exit 2 if DIR is not a ComfyUI with H3), else $COMFYUI_PATH (a wrong one
+is logged as a warning), else the ComfyUI this pack is installed in, else ~/ComfyUI.
 Exit status: 0 done; 1 the workflow failed (ComfyUI's error is printed); 2 a setup problem (no ComfyUI,
-an unreadable workflow, --models not a folder, no first-frame image)."""
+an unreadable or UI-format workflow, --models not a folder, no first-frame image)."""
 
 
 def _stage(name: str, t0: float) -> float:

@@ -23,6 +23,10 @@ class ComfyUINotFound(RuntimeError):
     """No ComfyUI checkout with MiniMax H3 support could be found."""
 
 
+#: this pack's folder (a ComfyUI it sits in, ``<ComfyUI>/custom_nodes/<pack>``, is one of the guesses)
+PACK_DIR = Path(__file__).resolve().parent
+
+
 def _is_h3_comfyui(p: Path) -> bool:
     return (p / "comfy" / "ldm" / "minimax" / "model.py").is_file() and (p / "execution.py").is_file()
 
@@ -34,8 +38,8 @@ def find_comfyui(explicit: str | os.PathLike | None = None) -> Path:
     wrong one is logged as a warning), the ComfyUI this pack sits in (``<ComfyUI>/custom_nodes/<pack>``), then
     ``~/ComfyUI``. Raises :class:`ComfyUINotFound` naming the explicit path, or every place tried.
     """
-    here = Path(__file__).resolve().parent
-    if explicit:                 # a path the user named is used or refused, never replaced by a guess
+    here = PACK_DIR
+    if explicit is not None:     # a path the user named is used or refused, never replaced by a guess
         p = Path(explicit)
         if _is_h3_comfyui(p):
             return p.resolve()

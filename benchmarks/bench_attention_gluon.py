@@ -88,10 +88,10 @@ def one_length(L: int) -> dict:
     # the K/V pre-kernel alone: plain V vs V with its keys in the Gluon kernel's order (the same codes, moved)
     qa = K.quantize_kv(k, v, dict(cfgs["triton"], QPRE=True, Q_ROW=True), parts=(ksum, vamax))
     qb = K.quantize_kv(k, v, dict(cfgs["gluon_m64"], Q_ROW=True), parts=(ksum, vamax))
-    perm = torch.arange(qa["n_kpad"], device=DEV)
-    h, i, t, e = (perm >> 4) & 1, (perm >> 3) & 1, (perm >> 1) & 3, perm & 1
+    from h3_turbo.kernels.attention.int8_gluon import v_key_columns
+
     moved = torch.empty_like(qa["vq"].view(torch.uint8))
-    moved[..., (perm & ~31) + 16 * h + 4 * t + 2 * i + e] = qa["vq"].view(torch.uint8)
+    moved[..., v_key_columns(qa["n_kpad"]).to(DEV)] = qa["vq"].view(torch.uint8)
     out["quantize_kv_gluon_v_is_plain_v_moved"] = bool(torch.equal(qb["vq"].view(torch.uint8), moved))
     out["ms_quantize_kv_triton"] = bench(lambda: K.quantize_kv(k, v, dict(cfgs["triton"], QPRE=True, Q_ROW=True),
                                                                parts=(ksum, vamax)))

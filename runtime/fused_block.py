@@ -337,6 +337,8 @@ def _project(m, plan, x8s, bf16_input: Callable[[], torch.Tensor], probe, ops, r
 
 #: device type -> why the fused int8_sage route failed in this process (then the override runs unfused)
 _SAGE_OFF: dict[str, str] = {}
+#: device type -> why the Gluon attention kernel failed in this process (the fused route then uses the Triton kernel)
+_GLUON_OFF: dict[str, str] = {}
 
 
 def _int8_kernels():
@@ -357,8 +359,8 @@ def _gluon_config(c: dict, device) -> dict:
     reason logged once when this device / Triton cannot run it or ``c`` is not the configuration it implements."""
     from ..kernels.attention import int8_gluon, int8_kernels
 
-    why = int8_gluon.available(device)
-    g = dict(c, GLUON=True, MAXNREG=None, BLOCK_M=16 * c["num_warps"], Q_ROW=True, QPRE=True)
+    why = _GLUON_OFF.get(torch.device(device).type) or int8_gluon.available(device)
+    g = dict(c, GLUON=True, MAXNREG=None, Q_ROW=True, QPRE=True)
     if why is None:
         try:
             int8_kernels._cfg(g)
@@ -455,6 +457,16 @@ def fused_forward(block, x, t_emb, mod_segments, rope_freqs, transformer_options
                                                               prep["vamax"], config=cfg, out_fp8=fp8_out)
         except Exception as e:  # noqa: BLE001 - e.g. a Triton build failure on this GPU
             failed = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
+        if failed is not None and cfg.get("GLUON"):
+            # the opt-in Gluon kernel failed (e.g. a Triton whose Gluon differs): this process keeps the route with the
+            # Triton kernel; rerun the block (x is unchanged so far)
+            _GLUON_OFF[x.device.type] = failed
+            log_once(("sage_gluon_failed", failed), "H3 Turbo fused block: the Gluon attention kernel failed (%s) -> "
+                     "this process runs the fused route with the Triton kernel", failed, level=logging.WARNING)
+            qkv = prep = k4 = v4 = None
+            routes.clear()
+            routes.update(routes_before)
+            return fused_forward(block, x, t_emb, mod_segments, rope_freqs, transformer_options, plans, ops, routes)
         if failed is not None:
             # outside the except block (its traceback would keep the attempt's buffers alive): free them, count the
             # qkv projection once (a Turbo branch folded into qkv counts this call twice: a one-time failure) and

@@ -12,6 +12,7 @@ import os
 import re
 import subprocess
 import sys
+import tempfile
 
 import pytest
 import torch
@@ -469,18 +470,19 @@ def test_interp_kv_partial_stats_feed_quantize_kv(L, H, d, parts):
         Q.kv_partial_stats(k.reshape(L, inner), v.reshape(L, inner))
 
 
-GLUON_CFG = {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "GLUON": True, "TMA": True, "QPRE": True, "Q_ROW": True,
+GLUON_CFG = {"BLOCK_M": 64, "BLOCK_N": 128, "num_warps": 4, "GLUON": True, "TMA": True, "QPRE": True, "Q_ROW": True,
              "ROWSUM_MMA": True}
 
 
 def _v_perm32(n: int) -> torch.Tensor:
-    """Column of key c in the Gluon kernel's V: within each 32 keys, c = 16h + 8i + 2t + e -> 16h + 4t + 2i + e."""
-    c = torch.arange(n)
-    h, i, t, e = (c >> 4) & 1, (c >> 3) & 1, (c >> 1) & 3, c & 1
-    return (c & ~31) + 16 * h + 4 * t + 2 * i + e
+    from h3_turbo.kernels.attention.int8_gluon import v_key_columns
+
+    return v_key_columns(n)
 
 
 def test_gluon_key_order_is_a_permutation_within_each_32():
+    """The Gluon kernel's V key order moves keys only within their 32, and puts the accumulator columns that thread t
+    of a quad holds ({2t, 2t+1, 8+2t, 9+2t} and the same + 16) at the A-operand positions it holds (4t .. 4t+3, + 16)."""
     p = _v_perm32(128)
     assert sorted(p.tolist()) == list(range(128))
     assert bool(((p // 32) == (torch.arange(128) // 32)).all())
@@ -502,11 +504,12 @@ def test_interp_quantize_kv_for_the_gluon_kernel_permutes_only_v_keys():
     plain = dict(GLUON_CFG, GLUON=False)
     a = Q.quantize_kv(k, v, plain, parts=(ks, va))
     b = Q.quantize_kv(k, v, GLUON_CFG, parts=(ks, va))
-    assert a["v_perm32"] is False and b["v_perm32"] is True and a["n_kpad"] == b["n_kpad"] == 192
+    assert a["v_perm32"] is False and b["v_perm32"] is True and a["n_kpad"] == b["n_kpad"] == 256
     for key in ("k8", "ks", "km", "vs", "vinv", "hmax"):
         assert torch.equal(a[key], b[key]), key
     moved = torch.empty_like(a["vq"].view(torch.uint8))
-    moved[..., _v_perm32(192)] = a["vq"].view(torch.uint8)
+    moved[..., _v_perm32(256)] = a["vq"].view(torch.uint8)
+    assert not torch.equal(b["vq"].view(torch.uint8), a["vq"].view(torch.uint8))
     assert torch.equal(b["vq"].view(torch.uint8), moved)
 
 
@@ -517,19 +520,28 @@ def test_gluon_config_is_refused_where_it_does_not_apply():
     from h3_turbo.kernels.attention import int8_gluon
 
     Q._cfg(GLUON_CFG)
-    for bad, name in (({"ROWSUM_MMA": False}, "ROWSUM_MMA"), ({"BLOCK_M": 128}, "BLOCK_M=128"),
-                      ({"BLOCK_N": 256}, "BLOCK_N=256"), ({"Q_ROW": False}, "Q_ROW")):
-        with pytest.raises(ValueError, match=name):
+    for bad in ({"ROWSUM_MMA": False}, {"BLOCK_M": 128, "num_warps": 8}, {"BLOCK_N": 64}, {"Q_ROW": False},
+                {"MAXNREG": 168}):
+        with pytest.raises(ValueError, match=re.escape(f"got {bad}")):
             Q._cfg(dict(GLUON_CFG, **bad))
+    with pytest.raises(ValueError, match="not an override configuration"):
+        from h3_turbo.kernels.attention import int8_sage
+
+        int8_sage.Int8SageAttention(config=GLUON_CFG)
     q = torch.zeros(1, 2, 16, 64, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="GLUON is for sage_attention_prequantized"):
         Q.sage_attention(q, q, q, config=GLUON_CFG)
     assert "not CUDA" in int8_gluon.available("cpu") or "not importable" in int8_gluon.available("cpu")
-    L, H, d = 16, 2, 64
-    k = torch.zeros(1, H, L, d, dtype=torch.bfloat16)
-    with pytest.raises(NoCapablePathError, match="config GLUON on cpu"):
-        Q.sage_attention_prequantized(torch.zeros(L, H, d, dtype=torch.int8), torch.zeros(L, H), k, k,
-                                      torch.zeros(1, H, d), torch.zeros(1, H, d), config=GLUON_CFG)
+    L, H = 16, 2
+    for d, err, match in ((128, NoCapablePathError, "config GLUON on cpu"), (64, ValueError, "head dim 128, got 64")):
+        k = torch.zeros(1, H, L, d, dtype=torch.bfloat16)
+        with pytest.raises(err, match=match):
+            Q.sage_attention_prequantized(torch.zeros(L, H, d, dtype=torch.int8), torch.zeros(L, H), k, k,
+                                          torch.zeros(1, H, d), torch.zeros(1, H, d), config=GLUON_CFG)
+    # a V quantized for the Gluon kernel never reaches the Triton kernel (its launch refuses it before compiling)
+    kv = {"v_perm32": True, "k8": None, "vq": None, "n_kpad": 128}
+    with pytest.raises(ValueError, match="quantized for the Gluon kernel"):
+        Q._launch(q, q, q, (0, 0, 0, 0, 0), 16, kv, q, "bhld", None, 1, 2, 16, 16, 64, 0.1, Q._cfg(None))
 
 
 @interp
@@ -568,3 +580,60 @@ def test_interpreted_kernels_in_subprocess():
     m = re.search(r"(\d+) passed", proc.stdout)
     assert m and int(m.group(1)) == 20, tail
     assert "skipped" not in proc.stdout.splitlines()[-1], tail
+
+
+def _compile_gluon_for_hopper(out_fp8: bool):
+    """The Gluon kernel compiled for sm_90a with this Triton (no GPU needed) -> (PTX, ``ptxas -v`` report)."""
+    triton = pytest.importorskip("triton")
+    from h3_turbo.kernels.attention import int8_gluon as G
+
+    if G.gluon is None:
+        pytest.skip(f"no Gluon in this Triton: {G._GLUON_ERROR}")
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    gl = G.gl
+    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+    if not os.path.isfile(ptxas):
+        pytest.skip(f"this Triton has no bundled ptxas ({ptxas})")
+
+    def desc(dt, shape, ty):
+        return f"tensordesc<{dt}[{shape[0]}, {shape[1]}],{gl.NVMMASharedLayout.get_default_for(shape, ty)!r}>"
+
+    fn = G._attn_fwd_gluon
+    sig = {"q_desc": desc("i8", [64, 128], gl.int8), "k_desc": desc("i8", [128, 128], gl.int8),
+           "v_desc": desc("fp8e4nv", [128, 128], gl.float8e4nv), "QS": "*fp32", "KS": "*fp32", "VS": "*fp32",
+           "OUT": "*fp8e4nv" if out_fp8 else "*bf16", "HMAX": "*fp32", "SX": "*fp32", "ONES": "*fp8e4nv",
+           "H": "i32", "N_Q": "i32", "N_K": "i32", "N_KPAD": "i32", "qk_scale": "fp32"}
+    consts = {"HEAD_DIM": 128, "BLOCK_M": 64, "BLOCK_N": 128, "OUT_FP8": out_fp8, "HP": 64 if out_fp8 else 1,
+              "ONES_SWIZZLE": 128, "num_warps": 4}
+    sig.update({k: "constexpr" for k in consts})
+    assert list(sig) == list(fn.arg_names), (list(sig), fn.arg_names)
+    src = GluonASTSource(fn, sig, {(fn.arg_names.index(k),): v for k, v in consts.items()},
+                         {(fn.arg_names.index(k),): [["tt.divisibility", 16]]
+                          for k in ("QS", "KS", "VS", "OUT", "HMAX", "SX", "ONES")})
+    k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "num_stages": 1})
+    with tempfile.TemporaryDirectory() as d:
+        path = os.path.join(d, "k.ptx")
+        with open(path, "w") as f:
+            f.write(k.asm["ptx"])
+        rep = subprocess.run([ptxas, "-arch=sm_90a", "-v", path, "-o", os.path.join(d, "k.cubin")],
+                             capture_output=True, text=True, timeout=300)
+    assert rep.returncode == 0, rep.stderr[-2000:]
+    return k.asm["ptx"], rep.stdout + rep.stderr
+
+
+@pytest.mark.parametrize("out_fp8", [True, False])
+def test_gluon_kernel_compiles_for_hopper_with_its_wgmma_pipelined(out_fp8):
+    """There is no CPU interpreter for Gluon, so the kernel is compiled here for sm_90a with this Triton: it must
+    compile (the trivial layout conversion of P included), keep every wgmma asynchronous (ptxas serialises them,
+    with a "Potential Performance Loss" note, when the pipeline is ill-formed or registers run out), not spill, and
+    stay at <= 255 registers (2 CTAs per SM). Its output is checked on the GPU (benchmarks/bench_attention_gluon.py:
+    the Triton kernel's bits)."""
+    ptx, report = _compile_gluon_for_hopper(out_fp8)
+    assert "serialized" not in report, report
+    m = re.search(r"Used (\d+) registers", report)
+    assert m and int(m.group(1)) <= 255, report
+    assert "0 bytes spill stores, 0 bytes spill loads" in report, report
+    assert ptx.count("wgmma.wait_group.sync.aligned 0;") >= 2 and "wgmma.mma_async.sync.aligned.m64n128k32.s32.s8.s8" in ptx
+    assert "cvt.rn.satfinite.e4m3x2.f32 lo" in ptx        # the packing of P (inline PTX)

@@ -413,16 +413,31 @@ def test_attention_wrapper_follows_cores_forward(comfy):
     assert not (fb._ATTN_NAMES - fb._names(PlainAttention.forward))
 
 
-def test_sage_gluon_setting_falls_back_to_the_triton_kernel_with_its_reason_logged(caplog):
-    """``SETTINGS["sage_gluon"]`` where the Gluon kernel cannot run (here: a CPU device) keeps the route's Triton
-    configuration unchanged and logs why once, as a WARNING; a configuration it cannot implement is refused alike."""
+def test_sage_gluon_setting_falls_back_to_the_triton_kernel_with_its_reason_logged(caplog, monkeypatch):
+    """``SETTINGS["sage_gluon"]`` where the Gluon kernel cannot run (here: a CPU device; then a configuration it does
+    not implement; then a device where it failed before) keeps the route's Triton configuration unchanged and logs
+    why once per reason, as a WARNING; where it can run, the configuration it implements."""
+    from h3_turbo import state
+    from h3_turbo.kernels.attention import int8_gluon
     from h3_turbo.kernels.attention import int8_kernels as K
     from h3_turbo.runtime import fused_block as fb
 
-    c = dict(K.tuned_config("cpu", 1024), TMA=True, QPRE=True, ROWSUM_MMA=True)
+    state.LOGGED.clear()
+    c = dict(K.tuned_config("cpu", 1024), TMA=True, QPRE=True, ROWSUM_MMA=True, MAXNREG=168)
+    cpu = torch.device("cpu")
     with caplog.at_level(logging.WARNING, logger="h3_turbo"):
-        assert fb._gluon_config(c, torch.device("cpu")) is c
-        fb._gluon_config(c, torch.device("cpu"))
-    msgs = [r.getMessage() for r in caplog.records if "sage_gluon" in r.getMessage()]
-    assert len(msgs) == 1 and "not CUDA" in msgs[0] and "-> the Triton kernel" in msgs[0]
-    assert c["GLUON"] is False
+        assert fb._gluon_config(c, cpu) is c
+        fb._gluon_config(c, cpu)
+        monkeypatch.setattr(int8_gluon, "available", lambda device: None)      # as on a Hopper GPU
+        g = fb._gluon_config(c, cpu)
+        assert g is not c and g["GLUON"] and g["MAXNREG"] is None and g["Q_ROW"] and K._cfg(g) == g
+        assert fb._gluon_config(dict(c, TMA=False), cpu)["GLUON"] is False
+        monkeypatch.setitem(fb._GLUON_OFF, "cpu", "RuntimeError: boom")
+        assert fb._gluon_config(c, cpu)["GLUON"] is False
+    recs = [r for r in caplog.records if "sage_gluon" in r.getMessage()]
+    msgs = [r.getMessage() for r in recs]
+    assert len(msgs) == 3 and all("-> the Triton kernel" in m for m in msgs), msgs
+    assert all(r.levelno == logging.WARNING for r in recs)
+    assert "not CUDA" in msgs[0] or "not importable" in msgs[0]
+    assert "got {'TMA': False}" in msgs[1] and "RuntimeError: boom" in msgs[2]
+    assert c["GLUON"] is False and c["MAXNREG"] == 168

@@ -294,6 +294,8 @@ def test_demo_refuses_a_named_comfyui_that_is_not_one(tmp_path, capsys, monkeypa
     assert f"{bad}: not a ComfyUI checkout with MiniMax H3 support" in err and str(good) not in err
     with pytest.raises(harness.ComfyUINotFound, match="not_comfy"):
         harness.find_comfyui(bad)
+    with pytest.raises(harness.ComfyUINotFound, match="not a ComfyUI checkout"):
+        harness.find_comfyui("")                  # an empty name is not "no name"
     assert harness.find_comfyui(good) == good.resolve()
     assert harness.find_comfyui() == good.resolve()
     assert not (tmp_path / "o").exists()
@@ -308,6 +310,7 @@ def test_a_wrong_comfyui_path_env_is_logged_when_another_is_used(tmp_path, monke
     (good / "comfy" / "ldm" / "minimax" / "model.py").write_text("")
     (good / "execution.py").write_text("")
     monkeypatch.setattr(harness, "DEFAULT_COMFYUI", good)
+    monkeypatch.setattr(harness, "PACK_DIR", tmp_path / "pack")     # not under a custom_nodes/ folder
     monkeypatch.setenv("COMFYUI_PATH", str(tmp_path / "missing"))
     with caplog.at_level("WARNING", logger="h3_turbo"):
         assert harness.find_comfyui() == good.resolve()

@@ -37,6 +37,16 @@ except Exception as e:  # noqa: BLE001 - any import failure means "no Gluon Hopp
     gluon = None
     _GLUON_ERROR = f"{type(e).__name__}: {e}"
 
+def v_key_columns(n: int) -> torch.Tensor:
+    """int64 [n] (n a multiple of 32): the column of V's e4m3 [D, L_pad] that holds key c for this kernel: within each
+    32 keys, c = 16h + 8i + 2t + e goes to 16h + 4t + 2i + e (h, i, e in {0, 1}, t in {0..3}). The two kernels that
+    use this order compute it as a reshape to [.., 2, 2, 4, 2] and a swap of the (i, t) dimensions:
+    ``_quant_kv_kernel`` (V_PERM32) and :func:`_as_a_operand`."""
+    c = torch.arange(n)
+    h, i, t, e = (c >> 4) & 1, (c >> 3) & 1, (c >> 1) & 3, c & 1
+    return (c & ~31) + 16 * h + 4 * t + 2 * i + e
+
+
 def available(device) -> str | None:
     """None when the Gluon kernel can run on ``device``, else the reason (no Gluon in this Triton, not CUDA, not
     compute capability 9.x)."""
@@ -52,6 +62,8 @@ def available(device) -> str | None:
 
 
 if gluon is not None:
+
+    _THREAD_BARRIER = gl.constexpr(hasattr(gl, "thread_barrier"))   # Triton 3.6 (the device's); 3.8: gl.barrier
 
     @gluon.jit
     def _softmax_block(s, c, m_i, start_n, N_K, BLOCK_N: gl.constexpr, col_layout: gl.constexpr,
@@ -155,7 +167,10 @@ if gluon is not None:
             mbarrier.init(k_bar.index(i), count=1)
             mbarrier.init(v_bar.index(i), count=1)
         fence_async_shared()     # the ones tile and the barriers, written by every thread, before any async reader
-        gl.thread_barrier()
+        if _THREAD_BARRIER:
+            gl.thread_barrier()
+        else:
+            gl.barrier()
 
         n = gl.cdiv(N_K, BLOCK_N)
         k_row = bh * N_KPAD

@@ -59,6 +59,9 @@ class Int8SageAttention:
         self.fallback = fallback if fallback is not None else exact.exact_override()
         self.devices = tuple(devices)
         self.config = _kernels()._cfg(config) if config is not None else None    # None: tuned_config per call
+        if self.config is not None and self.config["GLUON"]:
+            raise ValueError("int8_sage: config GLUON is not an override configuration (the Gluon kernel serves the "
+                             "fused block's route only: kernels.fused.SETTINGS['sage_gluon'])")
         self.calls = 0
         self.fallbacks = 0
 

@@ -37,6 +37,7 @@ except Exception as e:  # noqa: BLE001 - any import failure means "no Gluon Hopp
     gluon = None
     _GLUON_ERROR = f"{type(e).__name__}: {e}"
 
+
 def v_key_columns(n: int) -> torch.Tensor:
     """int64 [n] (n a multiple of 32): the column of V's e4m3 [D, L_pad] that holds key c for this kernel: within each
     32 keys, c = 16h + 8i + 2t + e goes to 16h + 4t + 2i + e (h, i, e in {0, 1}, t in {0..3}). The two kernels that
@@ -245,7 +246,8 @@ def launch_prequantized(q8: torch.Tensor, qs: torch.Tensor, kv: dict, out: torch
     """The Gluon kernel's launch for :func:`.int8_kernels.sage_attention_prequantized` (batch 1): q8 int8 [L, H, D]
     contiguous, qs float32 [L, H], ``kv`` from ``quantize_kv`` (PV_FP8), ``out`` [1, L, H*D] (bf16 / fp16, or e4m3 with
     ``fp8_scales`` = (hmax [H], sx [L, 1])); ``sm_log2`` = softmax scale * log2(e); ``c`` the launch configuration
-    (BLOCK_M = 16 * num_warps, BLOCK_N)."""
+    (validated by ``_cfg``: BLOCK_M 64, 4 warps, BLOCK_N 128, no register cap). ValueError for a V not quantized with
+    config GLUON."""
     bm, bn, npad = c["BLOCK_M"], c["BLOCK_N"], kv["n_kpad"]
     if not kv.get("v_perm32"):
         raise ValueError("attention_int8 GLUON: V must be quantized with config GLUON (keys permuted per 32)")
@@ -257,9 +259,8 @@ def launch_prequantized(q8: torch.Tensor, qs: torch.Tensor, kv: dict, out: torch
                                    gl.NVMMASharedLayout.get_default_for([D, bn], gl.float8e4nv))
     hmax, sx = fp8_scales if fp8_scales is not None else (kv["vs"], kv["vs"])
     grid = (triton.cdiv(L, bm), H)
-    launch = {"maxnreg": c["MAXNREG"]} if c.get("MAXNREG") else {}
     _attn_fwd_gluon[grid](q_desc, k_desc, v_desc, qs, kv["ks"], kv["vs"], out, hmax, sx, ones, H, L, L, npad, sm_log2,
                           HEAD_DIM=D, BLOCK_M=bm, BLOCK_N=bn, OUT_FP8=fp8_scales is not None, ONES_SWIZZLE=min(128, bn),
                           HP=triton.next_power_of_2(H) if fp8_scales is not None else 1,
-                          num_warps=bm // 16, **launch)
+                          num_warps=bm // 16)
     return out

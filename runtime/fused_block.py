@@ -457,23 +457,20 @@ def fused_forward(block, x, t_emb, mod_segments, rope_freqs, transformer_options
                                                               prep["vamax"], config=cfg, out_fp8=fp8_out)
         except Exception as e:  # noqa: BLE001 - e.g. a Triton build failure on this GPU
             failed = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
-        if failed is not None and cfg.get("GLUON"):
-            # the opt-in Gluon kernel failed (e.g. a Triton whose Gluon differs): this process keeps the route with the
-            # Triton kernel; rerun the block (x is unchanged so far)
-            _GLUON_OFF[x.device.type] = failed
-            log_once(("sage_gluon_failed", failed), "H3 Turbo fused block: the Gluon attention kernel failed (%s) -> "
-                     "this process runs the fused route with the Triton kernel", failed, level=logging.WARNING)
-            qkv = prep = k4 = v4 = None
-            routes.clear()
-            routes.update(routes_before)
-            return fused_forward(block, x, t_emb, mod_segments, rope_freqs, transformer_options, plans, ops, routes)
         if failed is not None:
             # outside the except block (its traceback would keep the attempt's buffers alive): free them, count the
             # qkv projection once (a Turbo branch folded into qkv counts this call twice: a one-time failure) and
-            # rerun the block without the route (x is unchanged so far)
-            _SAGE_OFF[x.device.type] = failed
-            log_once(("fused_sage_failed", failed), "H3 Turbo fused block: the fused int8_sage route failed (%s) -> "
-                     "this process runs qk_norm_rope + the int8_sage override instead", failed, level=logging.WARNING)
+            # rerun the block (x is unchanged so far): after a failure of the opt-in Gluon kernel (e.g. a Triton whose
+            # Gluon differs) with the route on the Triton kernel, else without the route
+            if cfg.get("GLUON"):
+                _GLUON_OFF[x.device.type] = failed
+                log_once(("sage_gluon_failed", failed), "H3 Turbo fused block: the Gluon attention kernel failed (%s) "
+                         "-> this process runs the fused route with the Triton kernel", failed, level=logging.WARNING)
+            else:
+                _SAGE_OFF[x.device.type] = failed
+                log_once(("fused_sage_failed", failed), "H3 Turbo fused block: the fused int8_sage route failed (%s) "
+                         "-> this process runs qk_norm_rope + the int8_sage override instead", failed,
+                         level=logging.WARNING)
             qkv = prep = k4 = v4 = None
             routes.clear()
             routes.update(routes_before)

@@ -64,8 +64,7 @@ def prequantize(q):
     x = q[0].transpose(0, 1).float()                                   # [L, H, D]
     amax = x.abs().amax(-1)
     inv = torch.where(amax > 0, 127.0 / torch.where(amax > 0, amax, torch.ones_like(amax)), torch.zeros_like(amax))
-    y = (x * inv[..., None]).clamp(-127, 127)
-    q8 = torch.trunc(y + torch.where(y >= 0, 0.5, -0.5)).to(torch.int8).contiguous()
+    q8 = K._round_half_away(x * inv[..., None], 127.0).to(torch.int8).contiguous()   # the kernels' rounding
     return q8, (amax / 127.0).contiguous()
 
 

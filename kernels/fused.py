@@ -76,9 +76,8 @@ SETTINGS = {
     "sage_stats": "pass",
     "sage_stats_parts": 16,
     # the route's attention kernel in Gluon (kernels/attention/int8_gluon.py: explicitly asynchronous wgmma, the same
-    # output bits as the Triton kernel; H200 alone with the route's e4m3 output 1.005-1.012x its time, a 960x544x124
-    # forward 1.396 vs 1.390 s;
-    # docs/attention.md): opt-in
+    # output bits as the Triton kernel; H200 alone with the route's e4m3 output 1.00-1.01x its time, a 960x544x124
+    # forward 1.396 vs 1.390 s; docs/attention.md): opt-in
     "sage_gluon": False,
     "rope_v_rows": 8,        # rows per v program of qk_norm_rope_sage with "kernel" stats (its column max |v|; a
                              # multiple of rope_rows; H200: 8 < 64 < 256, a longer loop per program is latency-bound)

@@ -37,7 +37,8 @@ DEV = "cuda" if torch.cuda.is_available() and not DRY else "cpu"
 OUT = Path(os.environ.get("OUT", Path(__file__).resolve().parent / "results"))
 TAG = os.environ.get("TAG", "attention_gluon_h200")
 LENGTHS = [int(x) for x in os.environ.get("LENGTHS", "256" if DRY else "19584,37632").split(",")]
-HEADS, HD = (4, 128) if DRY else (56, 128)
+HEADS, HD = (4, 128) if DRY else (int(os.environ.get("HEADS", 56)), 128)
+WS_STAGES = [int(x) for x in os.environ.get("WS_STAGES", "2,3").split(",") if x]
 RES: dict = {"env": {}, "steps": {}, "errors": []}
 
 
@@ -82,6 +83,8 @@ def one_length(L: int) -> dict:
     tuned = K.tuned_config(DEV, L)
     cfgs = {"triton": tuned,
             "gluon_m64": dict(tuned, GLUON=True, BLOCK_M=64, num_warps=4, MAXNREG=None)}
+    for st in WS_STAGES:
+        cfgs[f"gluon_ws{st}"] = dict(tuned, GLUON=True, BLOCK_M=128, num_warps=4, MAXNREG=None, num_stages=st)
     out["configs"] = cfgs
 
     # the K/V pre-kernel alone: plain V vs V with its keys in the Gluon kernel's order (the same codes, moved)

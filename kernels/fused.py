@@ -76,9 +76,15 @@ SETTINGS = {
     "sage_stats": "pass",
     "sage_stats_parts": 16,
     # the route's attention kernel in Gluon (kernels/attention/int8_gluon.py: explicitly asynchronous wgmma, the same
-    # output bits as the Triton kernel; H200 alone with the route's e4m3 output 1.00-1.01x its time, a 960x544x124
-    # forward 1.396 vs 1.390 s; docs/attention.md): opt-in
-    "sage_gluon": False,
+    # output bits as the Triton kernel; docs/attention.md): "auto" (the default: where it can run, i.e. Hopper with a
+    # Triton that has Gluon's Hopper module; elsewhere the Triton kernel, logged once at INFO), True (the same, a
+    # WARNING where it cannot run) or False (the Triton kernel). H200, 960x544x124 forward: 1.361 s with it vs 1.386 s
+    "sage_gluon": "auto",
+    # from this many tokens on, the Gluon kernel's warp-specialized form (two consumer warpgroups of 64 query rows in
+    # ping-pong, a TMA warp, this many K/V slots; H200 with the route's e4m3 output: 0.978x / 0.962x the Triton
+    # kernel's time at 19 584 / 37 632 tokens, the same bits; slower on short sequences, docs/attention.md)
+    "sage_gluon_ws_tokens": 16384,
+    "sage_gluon_ws_stages": 2,
     "rope_v_rows": 8,        # rows per v program of qk_norm_rope_sage with "kernel" stats (its column max |v|; a
                              # multiple of rope_rows; H200: 8 < 64 < 256, a longer loop per program is latency-bound)
     "gate_block": 2048,

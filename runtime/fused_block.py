@@ -354,21 +354,31 @@ def _dequantized(x8, sx, dtype):
     return (x8.float() * sx).to(dtype)
 
 
-def _gluon_config(c: dict, device) -> dict:
-    """``c`` with the Gluon attention kernel (``kernels.fused.SETTINGS["sage_gluon"]``), or ``c`` unchanged with the
-    reason logged once when this device / Triton cannot run it or ``c`` is not the configuration it implements."""
+def _gluon_config(c: dict, device, tokens: int = 0) -> dict:
+    """``c`` with the Gluon attention kernel (``kernels.fused.SETTINGS["sage_gluon"]``, "auto" or True): from
+    ``SETTINGS["sage_gluon_ws_tokens"]`` tokens on, its warp-specialized form (BLOCK_M 128: two consumer warpgroups and
+    a TMA warp, ``num_stages`` K/V slots = ``SETTINGS["sage_gluon_ws_stages"]``), below it the 4-warp form (BLOCK_M 64);
+    or ``c`` unchanged with the reason logged once when this device / Triton cannot run it or ``c`` is not the
+    configuration it implements."""
     from ..kernels.attention import int8_gluon, int8_kernels
 
     why = _GLUON_OFF.get(torch.device(device).type) or int8_gluon.available(device)
     g = dict(c, GLUON=True, MAXNREG=None, Q_ROW=True, QPRE=True)
+    if tokens >= fk.SETTINGS["sage_gluon_ws_tokens"]:
+        g.update(BLOCK_M=128, num_warps=4, num_stages=fk.SETTINGS["sage_gluon_ws_stages"])
+    else:
+        g.update(BLOCK_M=64, num_warps=4)
     if why is None:
         try:
             int8_kernels._cfg(g)
         except ValueError as e:
             why = str(e)
     if why is not None:
-        log_once(("sage_gluon", why), "H3 Turbo fused block: SETTINGS['sage_gluon'] is on but the Gluon attention "
-                 "kernel cannot run (%s) -> the Triton kernel", why, level=logging.WARNING)
+        setting = fk.SETTINGS["sage_gluon"]
+        # "auto" (the default) on a GPU it is not written for is the expected case: INFO; True asked for it: WARNING
+        log_once(("sage_gluon", why), "H3 Turbo fused block: SETTINGS['sage_gluon'] is %r but the Gluon attention "
+                 "kernel cannot run (%s) -> the Triton kernel", setting, why,
+                 level=logging.WARNING if setting is True else logging.INFO)
         return c
     return g
 
@@ -396,7 +406,7 @@ def _sage_route(transformer_options, x, head_dim: int, ops):
         if why is None and (c["V_MEAN"] or not c["PV_FP8"]):
             why = "its configuration has V_MEAN on or PV_FP8 off"
         if why is None and fk.SETTINGS["sage_gluon"]:
-            c = _gluon_config(c, x.device)
+            c = _gluon_config(c, x.device, x.shape[0])
     if why is not None:
         log_once(("fused_sage", why), "H3 Turbo fused block: int8_sage attention not fused into the block (%s) -> "
                  "core's attention call with the int8_sage override", why)

@@ -520,10 +520,14 @@ def test_gluon_config_is_refused_where_it_does_not_apply():
     from h3_turbo.kernels.attention import int8_gluon
 
     Q._cfg(GLUON_CFG)
-    for bad in ({"ROWSUM_MMA": False}, {"BLOCK_M": 128, "num_warps": 8}, {"BLOCK_N": 64}, {"Q_ROW": False},
-                {"MAXNREG": 168}):
+    Q._cfg(dict(GLUON_CFG, BLOCK_M=128, num_stages=3))        # the warp-specialized form
+    for bad in ({"ROWSUM_MMA": False}, {"num_warps": 8}, {"BLOCK_M": 32}, {"BLOCK_M": 256}, {"BLOCK_N": 64},
+                {"Q_ROW": False}, {"MAXNREG": 168}):
         with pytest.raises(ValueError, match=re.escape(f"got {bad}")):
             Q._cfg(dict(GLUON_CFG, **bad))
+    for st in (1, 5):       # the warp-specialized form keeps 2..4 K/V slots in shared memory
+        with pytest.raises(ValueError, match=re.escape(f"got {{'num_stages': {st}}}")):
+            Q._cfg(dict(GLUON_CFG, BLOCK_M=128, num_stages=st))
     with pytest.raises(ValueError, match="not an override configuration"):
         from h3_turbo.kernels.attention import int8_sage
 
@@ -582,8 +586,9 @@ def test_interpreted_kernels_in_subprocess():
     assert "skipped" not in proc.stdout.splitlines()[-1], tail
 
 
-def _compile_gluon_for_hopper(out_fp8: bool):
-    """The Gluon kernel compiled for sm_90a with this Triton (no GPU needed) -> (PTX, ``ptxas -v`` report)."""
+def _compile_gluon_for_hopper(out_fp8: bool, ws: bool = False):
+    """The Gluon kernel (``ws``: its warp-specialized form, 2 K/V slots) compiled for sm_90a with this Triton (no GPU
+    needed) -> (PTX, ``ptxas -v`` report)."""
     triton = pytest.importorskip("triton")
     from h3_turbo.kernels.attention import int8_gluon as G
 
@@ -600,19 +605,23 @@ def _compile_gluon_for_hopper(out_fp8: bool):
     def desc(dt, shape, ty):
         return f"tensordesc<{dt}[{shape[0]}, {shape[1]}],{gl.NVMMASharedLayout.get_default_for(shape, ty)!r}>"
 
-    fn = G._attn_fwd_gluon
+    fn = G._attn_fwd_gluon_ws if ws else G._attn_fwd_gluon
     sig = {"q_desc": desc("i8", [64, 128], gl.int8), "k_desc": desc("i8", [128, 128], gl.int8),
            "v_desc": desc("fp8e4nv", [128, 128], gl.float8e4nv), "QS": "*fp32", "KS": "*fp32", "VS": "*fp32",
            "OUT": "*fp8e4nv" if out_fp8 else "*bf16", "HMAX": "*fp32", "SX": "*fp32", "ONES": "*fp8e4nv",
            "H": "i32", "N_Q": "i32", "N_K": "i32", "N_KPAD": "i32", "qk_scale": "fp32"}
     consts = {"HEAD_DIM": 128, "BLOCK_M": 64, "BLOCK_N": 128, "OUT_FP8": out_fp8, "HP": 64 if out_fp8 else 1,
               "ONES_SWIZZLE": 128, "num_warps": 4}
+    options = {"num_warps": 4, "num_stages": 1}
+    if ws:
+        consts = {"HEAD_DIM": 128, "BLOCK_N": 128, "STAGES": 2, "OUT_FP8": out_fp8, "ONES_SWIZZLE": 128, "num_warps": 4}
+        options["maxnreg"] = G.WS_MAXNREG
     sig.update({k: "constexpr" for k in consts})
     assert list(sig) == list(fn.arg_names), (list(sig), fn.arg_names)
     src = GluonASTSource(fn, sig, {(fn.arg_names.index(k),): v for k, v in consts.items()},
                          {(fn.arg_names.index(k),): [["tt.divisibility", 16]]
                           for k in ("QS", "KS", "VS", "OUT", "HMAX", "SX", "ONES")})
-    k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "num_stages": 1})
+    k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
     with tempfile.TemporaryDirectory() as d:
         path = os.path.join(d, "k.ptx")
         with open(path, "w") as f:
@@ -637,3 +646,20 @@ def test_gluon_kernel_compiles_for_hopper_with_its_wgmma_pipelined(out_fp8):
     assert "0 bytes spill stores, 0 bytes spill loads" in report, report
     assert ptx.count("wgmma.wait_group.sync.aligned 0;") >= 2 and "wgmma.mma_async.sync.aligned.m64n128k32.s32.s8.s8" in ptx
     assert "cvt.rn.satfinite.e4m3x2.f32 lo" in ptx        # the packing of P (inline PTX)
+
+
+@pytest.mark.parametrize("out_fp8", [True, False])
+def test_gluon_ws_kernel_compiles_for_hopper_within_its_register_split(out_fp8):
+    """The warp-specialized form (two 64-row consumer warpgroups in ping-pong and a TMA warp) compiled for sm_90a:
+    no wgmma serialised, no spill, at the launch's cap of 168 registers (12 warps: 65 536 / (12 x 32) = 170), its
+    consumers raised to 240 and the TMA warp lowered to 24 by setmaxnreg, the same P packing as the 4-warp form.
+    Its output is checked on the GPU (benchmarks/bench_attention_gluon.py: the Triton kernel's bits)."""
+    ptx, report = _compile_gluon_for_hopper(out_fp8, ws=True)
+    assert "serialized" not in report, report
+    m = re.search(r"Used (\d+) registers", report)
+    assert m and int(m.group(1)) <= 168, report
+    assert "0 bytes spill stores, 0 bytes spill loads" in report, report
+    assert re.search(r"setmaxnreg\.inc\.sync\.aligned\.u32\s+240;", ptx), "consumers not raised to 240 registers"
+    assert re.search(r"setmaxnreg\.dec\.sync\.aligned\.u32\s+24;", ptx), "TMA warp not lowered to 24 registers"
+    assert ptx.count("wgmma.mma_async.sync.aligned.m64n128k32.s32.s8.s8") >= 2
+    assert "cvt.rn.satfinite.e4m3x2.f32 lo" in ptx

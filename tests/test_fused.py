@@ -422,15 +422,30 @@ def test_sage_gluon_setting_falls_back_to_the_triton_kernel_with_its_reason_logg
     from h3_turbo.kernels.attention import int8_kernels as K
     from h3_turbo.runtime import fused_block as fb
 
+    assert fk.SETTINGS["sage_gluon"] == "auto"        # the default: where it can run
     state.LOGGED.clear()
     c = dict(K.tuned_config("cpu", 1024), TMA=True, QPRE=True, ROWSUM_MMA=True, MAXNREG=168)
     cpu = torch.device("cpu")
+    with caplog.at_level(logging.INFO, logger="h3_turbo"):       # "auto" where it cannot run: INFO, once
+        assert fb._gluon_config(c, cpu) is c
+        fb._gluon_config(c, cpu)
+    auto = [r for r in caplog.records if "sage_gluon" in r.getMessage()]
+    assert len(auto) == 1 and auto[0].levelno == logging.INFO and "'auto'" in auto[0].getMessage()
+    caplog.clear()
+    state.LOGGED.clear()
+    monkeypatch.setitem(fk.SETTINGS, "sage_gluon", True)      # asked for: a WARNING
     with caplog.at_level(logging.WARNING, logger="h3_turbo"):
         assert fb._gluon_config(c, cpu) is c
         fb._gluon_config(c, cpu)
         monkeypatch.setattr(int8_gluon, "available", lambda device: None)      # as on a Hopper GPU
         g = fb._gluon_config(c, cpu)
         assert g is not c and g["GLUON"] and g["MAXNREG"] is None and g["Q_ROW"] and K._cfg(g) == g
+        assert g["BLOCK_M"] == 64          # below SETTINGS["sage_gluon_ws_tokens"]: the 4-warp form
+        n = fk.SETTINGS["sage_gluon_ws_tokens"]
+        assert fb._gluon_config(c, cpu, n - 1)["BLOCK_M"] == 64
+        w = fb._gluon_config(c, cpu, n)     # from there on: the warp-specialized form
+        assert (w["BLOCK_M"], w["num_stages"], w["num_warps"]) == (128, fk.SETTINGS["sage_gluon_ws_stages"], 4)
+        assert K._cfg(w) == w
         assert fb._gluon_config(dict(c, TMA=False), cpu)["GLUON"] is False
         monkeypatch.setitem(fb._GLUON_OFF, "cpu", "RuntimeError: boom")
         assert fb._gluon_config(c, cpu)["GLUON"] is False

@@ -449,8 +449,12 @@ def _cfg(config: dict | None) -> dict:
         raise ValueError("attention_int8: Q_ROW needs QPRE (the per-row Q scales come from a pre-kernel or producer)")
     if c["GLUON"]:      # the Gluon kernel (int8_gluon.py) implements exactly this configuration (measured: docs)
         need = {"TMA": True, "QPRE": True, "Q_ROW": True, "MAGIC": True, "PV_FP8": True, "ROWSUM_MMA": True,
-                "V_MEAN": False, "IMPRECISE": None, "MAXNREG": None, "BLOCK_M": 64, "num_warps": 4, "BLOCK_N": 128}
+                "V_MEAN": False, "IMPRECISE": None, "MAXNREG": None, "num_warps": 4, "BLOCK_N": 128}
         bad = {k: c[k] for k, v in need.items() if c[k] != v}
+        if c["BLOCK_M"] not in (64, 128):   # 64: one warpgroup; 128: two consumer warpgroups and a TMA warp
+            bad["BLOCK_M"] = c["BLOCK_M"]
+        if c["BLOCK_M"] == 128 and not 2 <= c["num_stages"] <= 4:
+            bad["num_stages"] = c["num_stages"]
         if bad:
             raise ValueError(f"attention_int8: config GLUON needs {need}; got {bad}")
     return c

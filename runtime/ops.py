@@ -11,6 +11,9 @@ mismatch) runs core's own forward, logged once with the reason. ComfyUI is impor
 """
 from __future__ import annotations
 
+import sys
+import weakref
+
 import torch
 
 from ..logs import log, log_once
@@ -112,20 +115,36 @@ def kernel_blocker(m, x) -> str | None:
 
 
 def prepared(m, path: str):
-    """The layer's prepared weight for ``path`` (made at the first call, cached per weight object, storage, path and
-    weight mode in ``m._h3_cache``; core's weight patching replaces the Parameter, which re-prepares). The one cache
+    """The layer's prepared weight for ``path`` (made at the first call, cached per weight object, storage, in-place
+    version, path and weight mode in ``m._h3_cache``; core's weight patching replaces the Parameter or copies into it,
+    either of which re-prepares). The one cache
     every user of a layer's prepared weight goes through (:func:`kernel_forward`, the fused block)."""
     from ..kernels import dispatch
 
     w = m.weight
     lean = bool(getattr(m, "_h3_lean", False))
-    key = (id(w), w._qdata.data_ptr(), str(w._qdata.device), path, lean)
-    if m._h3_cache is None or m._h3_cache[0] != key:
-        p = w._params
+    p = w._params
+    # the weight object itself (a weak reference: an id can be reused), its storage, and the in-place version
+    # counters of its data and scales (ComfyUI's weight_inplace_update patches copy into the same storage)
+    key = (w._qdata.data_ptr(), _versions(w._qdata, p.block_scale, p.scale), str(w._qdata.device), path, lean)
+    c = m._h3_cache
+    if c is None or c[0] != key or c[2]() is not w:
         packed = dispatch.PackedNVFP4(w._qdata, p.block_scale, p.scale, m.out_features, m.in_features)
         m._h3_cache = None            # the old prepared copy goes before the new one is made (peak memory)
-        m._h3_cache = (key, dispatch.prepare(packed, path, lean=lean))
+        m._h3_cache = (key, dispatch.prepare(packed, path, lean=lean), weakref.ref(w))
     return m._h3_cache[1]
+
+
+def _versions(*tensors) -> tuple:
+    """The in-place version counters of ``tensors`` (None for a tensor made under ``torch.inference_mode``, which
+    has none: its cache key is then the weight object and its storage alone)."""
+    out = []
+    for t in tensors:
+        try:
+            out.append(t._version if isinstance(t, torch.Tensor) else None)
+        except RuntimeError:
+            out.append(None)
+    return tuple(out)
 
 
 def kernel_forward(m, x, path, lora=None):
@@ -149,9 +168,19 @@ def kernel_forward(m, x, path, lora=None):
 
 
 def _release_workspace_on_detach(patcher, unpatch_all=True) -> None:
-    """ComfyUI ``ON_DETACH`` callback: when a model that uses the kernels is unloaded, free their reused per-call
-    buffers and every layer's prepared copy (both are part of the size the loader reports, so ComfyUI expects
-    them freed; a layer prepares again at its next call)."""
+    """ComfyUI ``ON_DETACH`` callback: when a model that uses the kernels is unloaded (``unpatch_all`` True:
+    ``model_unload`` from ``free_memory`` / ``unload_all_models``), free their reused per-call buffers and every
+    layer's prepared copy (both are part of the size the loader reports, so ComfyUI expects them freed; a layer
+    prepares again at its next call). ``unpatch_all`` False is a patcher handing the same model over: another clone
+    being loaded (``load_models_gpu`` detaches the loaded clone first, e.g. the sampler's patcher after a node
+    changed) or a clone collected while ComfyUI keeps the model loaded through its parent. The model stays loaded
+    and counted then, so both are kept (the prepared copies re-validate themselves per weight object: a patched
+    weight prepares again)."""
+    if not unpatch_all:
+        if sys.meta_path is not None:         # not from a patcher's __del__ at interpreter exit
+            log_once(("detach_kept",), "H3 Turbo: a patcher of this model was detached without unloading it (a "
+                     "clone handed over) -> the kernels' prepared weights and buffers are kept")
+        return
     from ..kernels import dispatch
 
     freed = dispatch.release_workspace()

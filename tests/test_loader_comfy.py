@@ -313,13 +313,48 @@ def test_kernel_work_buffers_released_on_unload(comfy, fixtures_dir):
     assert len(clone.get_callbacks(CallbacksMP.ON_DETACH, WORKSPACE_CALLBACK)) == 1
     paths_base.scratch("cpu", torch.bfloat16, 1000)    # what a GPU call leaves behind
     paths_base.WORK_BUFFERS.data[("tiles", "cpu", torch.bfloat16, 8, 16)] = [torch.empty(8, 16, dtype=torch.bfloat16)] * 2
+    fc2 = mp.model.diffusion_model.blocks[0].mlp.fc2
+    fc2._h3_cache = (("key",), "prepared")              # what a layer's first GPU call leaves behind
     try:
-        clone.detach()
-        assert paths_base.WORK_BUFFERS.data == {}
+        # a clone handed over without unloading (load_models_gpu detaching the loaded clone for another one, a
+        # clone collected while its parent stays loaded): the model stays loaded, so both are kept
+        clone.detach(unpatch_all=False)
+        assert paths_base.WORK_BUFFERS.data and fc2._h3_cache is not None
+        clone.detach()                                  # model_unload: freed
+        assert paths_base.WORK_BUFFERS.data == {} and fc2._h3_cache is None
         assert dispatch.release_workspace() == 0
     finally:
         paths_base.WORK_BUFFERS.clear()
+        fc2._h3_cache = None
     install_compute(mp, "reference")
+
+
+def test_prepared_weights_survive_comfyui_handing_the_model_to_another_clone(comfy, fixtures_dir):
+    """ComfyUI's ``load_models_gpu`` with a second clone of a loaded model (the sampler's patcher after a node
+    changed, a Turbo adapter switched per request) detaches the loaded clone without unloading the model: the
+    prepared weights stay (before, each hand-over dropped them and the next call prepared all 208 layers again;
+    docs/memory.md); a real unload (``unload_all_models``) still frees them."""
+    import comfy.model_management as mm
+
+    from h3_turbo.runtime.ops import install_compute
+    from h3_turbo.runtime.loading import load_h3_model
+
+    mp = load_h3_model(fixtures_dir["nvfp4"], "reference")
+    install_compute(mp, "fp8")
+    fc2 = mp.model.diffusion_model.blocks[0].mlp.fc2
+    try:
+        a, b = mp.clone(), mp.clone()
+        mm.load_models_gpu([a])
+        fc2._h3_cache = (("key",), "prepared")
+        mm.load_models_gpu([b])                         # a is detached (unpatch_all=False), b loaded
+        assert fc2._h3_cache is not None
+        assert any(x.model is b for x in mm.current_loaded_models)
+        mm.unload_all_models()
+        assert fc2._h3_cache is None
+    finally:
+        mm.unload_all_models()
+        fc2._h3_cache = None
+        install_compute(mp, "reference")
 
 
 def test_kernel_extra_bytes_accounting(comfy):
@@ -368,3 +403,31 @@ def test_moving_a_layer_drops_its_prepared_weight(comfy, fixtures_dir):
     assert lin._h3_cache is None
     gc.collect()
     assert ref_old() is None                  # nothing of ours keeps the moved-away storage alive
+
+
+def test_prepared_weight_is_made_again_when_the_weight_changes(comfy, fixtures_dir):
+    """A layer's prepared copy is reused while its weight is the same object with the same storage and unchanged
+    in place; an in-place change of its data or scales (ComfyUI's ``weight_inplace_update`` patching) or a new
+    weight object (ComfyUI's default patching) prepares it again, with the new numbers."""
+    from h3_turbo.runtime.ops import install_compute
+    from h3_turbo.runtime.loading import load_h3_model
+
+    mp = load_h3_model(fixtures_dir["nvfp4"], "reference")
+    assert install_compute(mp, "fp8") == 208
+    fc2 = mp.model.diffusion_model.blocks[0].mlp.fc2
+    x = torch.randn(3, fc2.in_features)
+    try:
+        y0 = fc2(x)
+        first = fc2._h3_cache[1]
+        assert torch.equal(fc2(x), y0) and fc2._h3_cache[1] is first             # reused
+        w = fc2.weight
+        w._params.scale.mul_(2.0)                                               # in place: the per-tensor scale
+        y1 = fc2(x)
+        assert fc2._h3_cache[1] is not first
+        torch.testing.assert_close(y1, 2.0 * y0, rtol=1e-2, atol=1e-3)
+        second = fc2._h3_cache[1]
+        w._params.scale.div_(2.0)
+        fc2.weight = torch.nn.Parameter(w.clone(), requires_grad=False)         # a new weight object
+        assert torch.equal(fc2(x), y0) and fc2._h3_cache[1] is not second
+    finally:
+        install_compute(mp, "reference")

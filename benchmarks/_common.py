@@ -4,6 +4,8 @@ machines where the pack is not installed).
 import_package: ``import h3_turbo`` from this checkout.
 collect_logs: INFO logging to stderr, and the pack's log lines appended to a list (the result JSON's ``log``).
 h3_config: the fixture config (``tools.fixtures.TinyH3Config``) with the real H3's widths, or tiny widths for DRY.
+cuda_median_ms: median CUDA-event time of a callable (ms).
+q_row_codes: the fused route's per-row INT8 Q codes and scales of a q.
 h3_qkv: attention inputs with H3's statistics in core ComfyUI's layout (``comfy/ldm/minimax/model.py``):
 q, k, v are [1, heads, S, d] strided views of one [S, 3*heads*d] bf16 qkv buffer, q and k per-head
 RMS-normalised times a per-channel gain in [1, 1.5), v cloned (as core's attention receives them).
@@ -44,6 +46,32 @@ def h3_qkv(S: int, heads: int, d: int, dev, seed: int = 0):
     kv = k.view(S, heads, d)
     vv = v.view(S, heads, d).clone()
     return qkv, tuple(t.transpose(0, 1).unsqueeze(0) for t in (qv, kv, vv))   # [1, H, S, D] strided
+
+
+def cuda_median_ms(fn, warmup: int = 10, rep: int = 50) -> float:
+    """Median of ``rep`` CUDA-event timings of ``fn()`` after ``warmup`` calls, in ms."""
+    for _ in range(warmup):
+        fn()
+    ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(rep)]
+    for a, b in ev:
+        a.record()
+        fn()
+        b.record()
+    torch.cuda.synchronize()
+    t = sorted(a.elapsed_time(b) for a, b in ev)
+    return t[len(t) // 2]
+
+
+def q_row_codes(q):
+    """q [1, H, L, D] -> (int8 [L, H, D] contiguous, float32 [L, H] = max|q_row| / 127): the fused route's Q_ROW
+    codes, rounded as the kernels round (``int8_kernels._round_half_away``)."""
+    from h3_turbo.kernels.attention import int8_kernels as K
+
+    x = q[0].transpose(0, 1).float()                                   # [L, H, D]
+    amax = x.abs().amax(-1)
+    inv = torch.where(amax > 0, 127.0 / torch.where(amax > 0, amax, torch.ones_like(amax)), torch.zeros_like(amax))
+    q8 = K._round_half_away(x * inv[..., None], 127.0).to(torch.int8).contiguous()
+    return q8, (amax / 127.0).contiguous()
 
 
 def collect_logs(lines: list, width: int = 400) -> None:

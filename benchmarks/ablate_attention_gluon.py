@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import h3_qkv, import_package  # noqa: E402
+from _common import cuda_median_ms, h3_qkv, import_package, q_row_codes  # noqa: E402
 
 import_package()
 from h3_turbo.kernels.attention import int8_kernels as K  # noqa: E402
@@ -132,19 +132,6 @@ def variant_module(name, pieces, folder):
     return mod
 
 
-def bench(fn, warmup=10, rep=REP) -> float:
-    for _ in range(warmup):
-        fn()
-    ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(rep)]
-    for a, b in ev:
-        a.record()
-        fn()
-        b.record()
-    torch.cuda.synchronize()
-    t = sorted(a.elapsed_time(b) for a, b in ev)
-    return t[len(t) // 2]
-
-
 def main():
     import triton
 
@@ -160,10 +147,7 @@ def main():
         return
     dev, H, D = "cuda", 56, 128
     _, (q, k, v) = h3_qkv(L, H, D, dev, seed=1)
-    x = q[0].transpose(0, 1).float()
-    amax = x.abs().amax(-1)
-    q8 = K._round_half_away(x * (127.0 / amax.clamp_min(1e-30))[..., None], 127.0).to(torch.int8).contiguous()
-    qs = (amax / 127.0).contiguous()
+    q8, qs = q_row_codes(q)
     kc, vc = k[0].transpose(0, 1), v[0].transpose(0, 1)
     ksum, vamax = K.kv_partial_stats(kc, vc)
     base = dict(K.tuned_config(dev, L), GLUON=True, BLOCK_M=64, num_warps=4, MAXNREG=None, Q_ROW=True, QPRE=True)
@@ -192,7 +176,7 @@ def main():
                     row[f"{kname}_bytes_equal"] = (ob == bo).float().mean().item()
                     of, bf = o.float(), bo.view(torch.float8_e4m3fn).float()
                     row[f"{kname}_rel_l2_vs_base"] = ((of - bf).norm() / bf.norm()).item()
-                row[f"ms_{kname}"] = bench(run)
+                row[f"ms_{kname}"] = cuda_median_ms(run, rep=REP)
             except Exception as e:  # noqa: BLE001 - recorded, the other variants still run
                 row[f"{kname}_error"] = f"{type(e).__name__}: {e}"[:1500]
                 RES["errors"].append({"variant": name, "kernel": kname, "trace": traceback.format_exc()[-3000:]})

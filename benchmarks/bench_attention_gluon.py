@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import h3_qkv, import_package  # noqa: E402
+from _common import cuda_median_ms as bench, h3_qkv, import_package, q_row_codes  # noqa: E402
 
 import_package()
 from h3_turbo.kernels.attention import int8_kernels as K  # noqa: E402
@@ -47,31 +47,9 @@ def save():
     (OUT / f"{TAG}.json").write_text(json.dumps(RES, indent=1, default=str))
 
 
-def bench(fn, warmup=10, rep=50) -> float:
-    for _ in range(warmup):
-        fn()
-    ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(rep)]
-    for a, b in ev:
-        a.record()
-        fn()
-        b.record()
-    torch.cuda.synchronize()
-    t = sorted(a.elapsed_time(b) for a, b in ev)
-    return t[len(t) // 2]
-
-
-def prequantize(q):
-    """q [1, H, L, D] -> (int8 [L, H, D] contiguous, float32 [L, H] = max|q_row| / 127): the route's Q_ROW codes."""
-    x = q[0].transpose(0, 1).float()                                   # [L, H, D]
-    amax = x.abs().amax(-1)
-    inv = torch.where(amax > 0, 127.0 / torch.where(amax > 0, amax, torch.ones_like(amax)), torch.zeros_like(amax))
-    q8 = K._round_half_away(x * inv[..., None], 127.0).to(torch.int8).contiguous()   # the kernels' rounding
-    return q8, (amax / 127.0).contiguous()
-
-
 def one_length(L: int) -> dict:
     _, (q, k, v) = h3_qkv(L, HEADS, HD, DEV, seed=1)
-    q8, qs = prequantize(q)
+    q8, qs = q_row_codes(q)
     kc, vc = k[0].transpose(0, 1), v[0].transpose(0, 1)                # [L, H, D] strided views
     ksum, vamax = K.kv_partial_stats(kc, vc) if not DRY else (kc.float().sum(0)[None], vc.float().abs().amax(0)[None])
     rows = torch.linspace(0, L - 1, min(512, L), device=DEV).long()

@@ -229,14 +229,34 @@ if gluon is not None:
             mbarrier.invalidate(v_bar.index(i))
 
         # ---- epilogue (the Triton kernel's, per channel V scale, optional e4m3 output)
-        offs_mo = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=row_o)
+        _store_output(acc, l_i, pid_m * BLOCK_M, bh, VS, OUT, HMAX, SX, H, N_Q, row_o, col_o, HP, num_warps)
+
+
+    @gluon.jit
+    def _store_output(acc, l_i, row0, bh, VS, OUT, HMAX, SX, H, N_Q, row_o: gl.constexpr, col_o: gl.constexpr,
+                      HP: gl.constexpr, NW: gl.constexpr):
+        """Epilogue of both kernels (the Triton kernel's): rows [row0, row0 + BLOCK_M) of head bh, O / l times V's
+        per-channel scale, stored as OUT's dtype; for an e4m3 OUT scaled by 448 / gmax, gmax = max over the H heads'
+        max |v| in HMAX (``HP`` = next power of two >= H, or 0: in chunks of 128, as no head-count constexpr passes
+        through ``warp_specialize``; ``NW`` warps), clamped to +-448, the head-0 programs writing the row scales
+        gmax / 448 into SX."""
+        BLOCK_M: gl.constexpr = acc.shape[0]
+        HEAD_DIM: gl.constexpr = acc.shape[1]
+        offs_mo = row0 + gl.arange(0, BLOCK_M, layout=row_o)
         offs_d = gl.arange(0, HEAD_DIM, layout=col_o)
         vs = gl.load(VS + bh * HEAD_DIM + offs_d)
         out = acc / gl.expand_dims(l_i, 1) * gl.expand_dims(vs, 0)
-        if OUT_FP8:
-            hm_layout: gl.constexpr = gl.BlockedLayout([1], [32], [num_warps], [0])
-            offs_h = gl.arange(0, HP, layout=hm_layout)
-            gmax = gl.max(gl.load(HMAX + offs_h, mask=offs_h < gl.num_programs(1), other=0.0), 0)
+        if OUT.dtype.element_ty == gl.float8e4nv:
+            hm_layout: gl.constexpr = gl.BlockedLayout([1], [32], [NW], [0])
+            if HP > 0:
+                offs_h = gl.arange(0, HP, layout=hm_layout)
+                gmax = gl.max(gl.load(HMAX + offs_h, mask=offs_h < gl.num_programs(1), other=0.0), 0)
+            else:
+                gmax = gl.max(gl.zeros([128], gl.float32, hm_layout), 0)
+                for h0 in range(0, gl.num_programs(1), 128):
+                    offs_h = h0 + gl.arange(0, 128, layout=hm_layout)
+                    gmax = gl.maximum(gmax, gl.max(gl.load(HMAX + offs_h, mask=offs_h < gl.num_programs(1),
+                                                           other=0.0), 0))
             amax = gl.zeros([BLOCK_M], gl.float32, row_o) + gmax
             gs = gl.div_rn(amax, gl.full([BLOCK_M], 448.0, gl.float32, row_o))
             ginv = gl.div_rn(gl.full([BLOCK_M], 1.0, gl.float32, row_o), gl.where(amax > 0, amax, 1.0)) * 448.0
@@ -246,7 +266,6 @@ if gluon is not None:
                 gl.store(SX + offs_mo, gl.where(gs > 0, gs, 1.0 / 448.0), mask=offs_mo < N_Q)
         optr = OUT + gl.expand_dims(offs_mo.to(gl.int64) * (H * HEAD_DIM), 1) + bh * HEAD_DIM + gl.expand_dims(offs_d, 0)
         gl.store(optr, out.to(OUT.dtype.element_ty), mask=gl.expand_dims(offs_mo < N_Q, 1))
-
 
     @gluon.jit
     def _ws_step(j, s, acc, l_i, m_i, qc, ks_ptr, q_smem, k_smem, v_smem, ones_smem, k_ready, v_ready, k_empty,
@@ -290,7 +309,6 @@ if gluon is not None:
         HEAD_DIM: gl.constexpr = k_desc.block_type.shape[1]
         BLOCK_N: gl.constexpr = k_desc.block_type.shape[0]
         STAGES: gl.constexpr = k_smem.type.shape[0]
-        OUT_FP8: gl.constexpr = OUT.dtype.element_ty == gl.float8e4nv
         BLOCK_M: gl.constexpr = 64
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                            instr_shape=[16, BLOCK_N, 32])
@@ -344,25 +362,7 @@ if gluon is not None:
                                         BLOCK_N, STAGES, col_s, row_o, p_layout, False, True)
 
         # ---- epilogue (the 4-warp kernel's)
-        offs_mo = pid_m * 128 + WG * BLOCK_M + gl.arange(0, BLOCK_M, layout=row_o)
-        offs_d = gl.arange(0, HEAD_DIM, layout=col_o)
-        vs = gl.load(VS + bh * HEAD_DIM + offs_d)
-        out = acc / gl.expand_dims(l_i, 1) * gl.expand_dims(vs, 0)
-        if OUT_FP8:
-            hm_layout: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
-            gmax = gl.max(gl.zeros([128], gl.float32, hm_layout), 0)
-            for h0 in range(0, gl.num_programs(1), 128):
-                offs_h = h0 + gl.arange(0, 128, layout=hm_layout)
-                gmax = gl.maximum(gmax, gl.max(gl.load(HMAX + offs_h, mask=offs_h < gl.num_programs(1), other=0.0), 0))
-            amax = gl.zeros([BLOCK_M], gl.float32, row_o) + gmax
-            gs = gl.div_rn(amax, gl.full([BLOCK_M], 448.0, gl.float32, row_o))
-            ginv = gl.div_rn(gl.full([BLOCK_M], 1.0, gl.float32, row_o), gl.where(amax > 0, amax, 1.0)) * 448.0
-            ginv = gl.where(amax > 0, ginv, 0.0)
-            out = gl.minimum(gl.maximum(out * gl.expand_dims(ginv, 1), -448.0), 448.0)
-            if bh == 0:
-                gl.store(SX + offs_mo, gl.where(gs > 0, gs, 1.0 / 448.0), mask=offs_mo < N_Q)
-        optr = OUT + gl.expand_dims(offs_mo.to(gl.int64) * (H * HEAD_DIM), 1) + bh * HEAD_DIM + gl.expand_dims(offs_d, 0)
-        gl.store(optr, out.to(OUT.dtype.element_ty), mask=gl.expand_dims(offs_mo < N_Q, 1))
+        _store_output(acc, l_i, pid_m * 128 + WG * BLOCK_M, bh, VS, OUT, HMAX, SX, H, N_Q, row_o, col_o, 0, 4)
 
     @gluon.jit
     def _ws_consumer0(args):
@@ -381,7 +381,6 @@ if gluon is not None:
         HEAD_DIM: gl.constexpr = k_desc.block_type.shape[1]
         BLOCK_N: gl.constexpr = k_desc.block_type.shape[0]
         STAGES: gl.constexpr = k_smem.type.shape[0]
-        OUT_FP8: gl.constexpr = OUT.dtype.element_ty == gl.float8e4nv
         pid_m = gl.program_id(0)
         bh = gl.program_id(1)
         n = gl.cdiv(N_K, BLOCK_N)
@@ -454,15 +453,15 @@ def launch_prequantized(q8: torch.Tensor, qs: torch.Tensor, kv: dict, out: torch
     bm, bn, npad = c["BLOCK_M"], c["BLOCK_N"], kv["n_kpad"]
     if not kv.get("v_perm32"):
         raise ValueError("attention_int8 GLUON: V must be quantized with config GLUON (keys permuted per 32)")
-    i8 = gl.NVMMASharedLayout.get_default_for([bm, D], gl.int8)
-    q_desc = GluonTensorDescriptor(q8.view(L, H * D), [L, H * D], [H * D, 1], [bm, D], i8)
+    qm = 64 if bm == 128 else bm       # the warp-specialized kernel loads Q per 64-row consumer
+    i8 = gl.NVMMASharedLayout.get_default_for([qm, D], gl.int8)
+    q_desc = GluonTensorDescriptor(q8.view(L, H * D), [L, H * D], [H * D, 1], [qm, D], i8)
     k_desc = GluonTensorDescriptor(kv["k8"].view(H * npad, D), [H * npad, D], [D, 1], [bn, D],
                                    gl.NVMMASharedLayout.get_default_for([bn, D], gl.int8))
     v_desc = GluonTensorDescriptor(kv["vq"].view(H * D, npad), [H * D, npad], [npad, 1], [D, bn],
                                    gl.NVMMASharedLayout.get_default_for([D, bn], gl.float8e4nv))
     hmax, sx = fp8_scales if fp8_scales is not None else (kv["vs"], kv["vs"])
     if bm == 128:        # two consumer warpgroups of 64 rows and a TMA warp (FlashAttention-3's structure)
-        q_desc = GluonTensorDescriptor(q8.view(L, H * D), [L, H * D], [H * D, 1], [64, D], i8)
         _attn_fwd_gluon_ws[(triton.cdiv(L, 128), H)](
             q_desc, k_desc, v_desc, qs, kv["ks"], kv["vs"], out, hmax, sx, ones, H, L, L, npad, sm_log2,
             HEAD_DIM=D, BLOCK_N=bn, STAGES=c["num_stages"], OUT_FP8=fp8_scales is not None,

@@ -38,7 +38,8 @@ int8_sage producer route, ``kernels.fused.SETTINGS["sage_route"]``; 0: off; ab: 
 rows named ``<name>_fused_sage``), SETTINGS_B (a JSON dict of ``kernels.fused.SETTINGS``: every ``_fused`` row runs
 again, the same MODEL, with these settings as ``<name>_fused_b``, its errors also against ``<name>_fused``; an A/B in
 one process; unknown keys are refused, and it excludes FUSED_SAGE=ab), PROFILE (comma list of
-configuration names), DEADLINE (s since start after which no
+configuration names), GAP_OPS (N: each profile also lists, for its N largest GPU idle gaps, the top-level host ops that
+started inside the gap with their Python stacks: what the GPU waited for), DEADLINE (s since start after which no
 new configuration starts), CKPT_DIR (where the checkpoint is written), COMFY_ARGS (default --highvram on the
 GPU: offload device = GPU, so unloading a family moves nothing), PLOT=1 (write the PNG at the end),
 PLOT_ONLY=a.json,b.json (plot these result files, nothing else), MERGE=a.json,b.json (write the issue's result
@@ -439,6 +440,48 @@ def category(name: str) -> str:
     return "other"
 
 
+_PYFRAME = re.compile(r".*\.py\(\d+\): ")
+
+
+def gap_host(m, inp) -> list:
+    """A second profiled forward with the Python tracer on (``with_stack``: it slows the host, so only where the host
+    code sits matters, not the gap sizes): for the GAP_OPS largest GPU idle gaps, the Python frames overlapping each
+    (their overlap in us; frames over 20x the gap, the outer calls, left out) and the torch ops starting in it."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    sync()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], with_stack=True) as prof:
+        forward(m, inp)
+    ev = list(prof.events())
+    kern = sorted(((e.name, e.time_range.start, e.time_range.end) for e in ev
+                   if getattr(e, "device_type", None) == DeviceType.CUDA), key=lambda k: k[1])
+    gaps, end, prev = [], kern[0][2] if kern else 0, kern[0][0] if kern else ""
+    for nm, s0, t0 in kern[1:]:
+        if s0 > end:
+            gaps.append((s0 - end, end, s0, prev[:60], nm[:60]))
+        if t0 >= end:
+            end, prev = t0, nm
+    cpu = [e for e in ev if getattr(e, "device_type", None) == DeviceType.CPU]
+    frames = [e for e in cpu if _PYFRAME.match(e.name)]
+    ops = [e for e in cpu if not _PYFRAME.match(e.name)
+           and (e.cpu_parent is None or _PYFRAME.match(e.cpu_parent.name))]
+    out = []
+    for us, a, b, after, before in sorted(gaps, reverse=True)[:GAP_OPS]:
+        fr = []
+        for e in frames:
+            ov = min(b, e.time_range.end) - max(a, e.time_range.start)
+            if ov > 0.05 * us and e.time_range.end - e.time_range.start < 20 * us:
+                fr.append((ov, e.name[:120]))
+        inside = [e for e in ops if a <= e.time_range.start < b]
+        out.append({"us": round(us, 1), "after": after, "before": before,
+                    "frames": [{"us": round(ov, 1), "frame": n} for ov, n in sorted(fr, reverse=True)[:30]],
+                    "ops": [{"op": e.name[:80], "us": round(e.time_range.end - e.time_range.start, 1)}
+                            for e in sorted(inside, key=lambda e: e.time_range.start)[:30]],
+                    "ops_n": len(inside)})
+    return out
+
+
 def profile_forward(m, inp, name):
     """Kernel time by category over one forward (torch profiler), and the GPU idle time inside it."""
     from torch.autograd import DeviceType
@@ -468,7 +511,7 @@ def profile_forward(m, inp, name):
         end, prev, found = ordered[0][2], ordered[0][0], []
         for i, (nm, s0, t0) in enumerate(ordered[1:], 1):
             if s0 > end:
-                found.append(((s0 - end) / 1e3, prev[:60], nm[:60], round(i / len(ordered), 3)))
+                found.append(((s0 - end) / 1e3, prev[:60], nm[:60], round(i / len(ordered), 3), end, s0))
             if t0 >= end:
                 end, prev = t0, nm
         for lo, hi in ((0, 0.002), (0.002, 0.005), (0.005, 0.01), (0.01, 0.05), (0.05, 0.2), (0.2, 1e9)):
@@ -477,6 +520,7 @@ def profile_forward(m, inp, name):
             gaps_hist[label] = [len(sel), round(sum(sel), 3)]     # [gaps, their ms]
         top_gaps = [{"ms": round(g[0], 3), "after": g[1], "before": g[2], "at": g[3]}
                     for g in sorted(found, key=lambda g: -g[0])[:8]]
+
         iv = sorted((s, t) for _, s, t in kern)
         span = (iv[-1][1] - iv[0][0]) / 1e3
         cs, ce = iv[0]
@@ -499,6 +543,11 @@ def profile_forward(m, inp, name):
          "launch_gaps_ms": round(span - busy, 2), "kernels": len(kern), "gaps_hist": gaps_hist, "top_gaps": top_gaps,
          "category_ms": {k: round(v, 2) for k, v in sorted(cats.items(), key=lambda kv: -kv[1])},
          "top_kernels": [{"name": k[:160], "ms": round(v[0], 3), "calls": v[1], "category": v[2]} for k, v in top]}
+    if GAP_OPS and (CUDA or DRY):
+        try:
+            r["gap_host"] = gap_host(m, inp)
+        except Exception:  # noqa: BLE001 - a diagnostic: recorded, the run goes on
+            r["gap_host_error"] = traceback.format_exc()[-2000:]
     RES["profiles"].setdefault(inp.key, {})[name] = r
     mark(f"profile {name}: span {r['gpu_span_ms']} ms, busy {r['gpu_busy_ms']}, gaps {r['launch_gaps_ms']}, "
          f"{r['category_ms']}")
@@ -749,6 +798,7 @@ CONFIGS = [c for c in os.environ.get("CONFIGS", "").split(",") if c]
 PROFILE = [c for c in os.environ.get("PROFILE", "").split(",") if c]
 ATTN = [a for a in os.environ.get("ATTN", "int8_sage,exact").split(",") if a]
 FWD_REPS = int(os.environ.get("FWD_REPS", 1))
+GAP_OPS = int(os.environ.get("GAP_OPS", 0))   # profiles: the host ops inside the GPU's N largest idle gaps
 FUSED = os.environ.get("FUSED") == "1"     # ours_fp8 also with the fused DiT blocks (runtime/fused_block.py)
 FUSED_SAGE = os.environ.get("FUSED_SAGE", "")   # 1 / 0: the fused blocks' int8_sage producer route on / off
 #                                                 (kernels.fused.SETTINGS); ab: both, as <name>_fused / <name>_fused_sage

@@ -5,18 +5,14 @@ Triton kernel in the tuned Hopper configuration, on the same prequantized inputs
 - ``ms_*``: kernel time (CUDA events, median of 50 after 10 warm-up calls) of ``sage_attention_prequantized`` with
   the e4m3 output (what the block runs) and with the bf16 output, Triton vs Gluon (BLOCK_M 64, 4 warps,
   BLOCK_N 128); ``ratio_*`` = Gluon / Triton in the same run.
-- ``ms_quantize_kv_*``: the K/V pre-kernel for each: ``triton`` (key order), ``gluon_k`` (K's rows permuted within
-  each 32, GLUON_PERM "k", the default), ``gluon_v`` (V's columns, "v"); ``quantize_kv_gluon_{k,v}_is_plain_moved``
-  check they are the plain codes moved, bit for bit.
-- Gluon variants: ``gluon_m64`` (4 warps), ``gluon_ws{stages}`` (warp-specialized; WS_STAGES) with the defaults
-  (GLUON_PERM "k", GLUON_ROWSUM_N 8) and, per VARIANTS (default ``v16,k16,v8``: perm and row-sum N), the same
-  kernel as ``gluon_ws{stages}_{variant}``.
+- ``ms_quantize_kv_*``: the K/V pre-kernel for each (the Gluon kernel's V has its keys permuted within each 32;
+  ``quantize_kv_gluon_v_is_plain_v_moved`` checks it is the plain V moved, bit for bit).
 - agreement: the two kernels' bf16 outputs (relative L2, max abs), e4m3 outputs (fraction of equal bytes, row
   scales equal) and each one's accuracy on 512 sampled query rows against float32 attention
   (``reference_attention``: per-head cosine min / mean, relative L2).
 
 Env: OUT (folder, default benchmarks/results), TAG (default attention_gluon_h200), LENGTHS (comma list, default
-19584,37632), WS_STAGES (default 2,3), VARIANTS, DRY=1 (CPU: inputs and reference only, no kernels). Saves ``$OUT/$TAG.json`` after every step.
+19584,37632), DRY=1 (CPU: inputs and reference only, no kernels). Saves ``$OUT/$TAG.json`` after every step.
 """
 from __future__ import annotations
 
@@ -43,7 +39,6 @@ TAG = os.environ.get("TAG", "attention_gluon_h200")
 LENGTHS = [int(x) for x in os.environ.get("LENGTHS", "256" if DRY else "19584,37632").split(",")]
 HEADS, HD = (4, 128) if DRY else (int(os.environ.get("HEADS", 56)), 128)
 WS_STAGES = [int(x) for x in os.environ.get("WS_STAGES", "2,3").split(",") if x]
-VARIANTS = [x for x in os.environ.get("VARIANTS", "v16,k16,v8").split(",") if x]
 RES: dict = {"env": {}, "steps": {}, "errors": []}
 
 
@@ -68,30 +63,20 @@ def one_length(L: int) -> dict:
             "gluon_m64": dict(tuned, GLUON=True, BLOCK_M=64, num_warps=4, MAXNREG=None)}
     for st in WS_STAGES:
         cfgs[f"gluon_ws{st}"] = dict(tuned, GLUON=True, BLOCK_M=128, num_warps=4, MAXNREG=None, num_stages=st)
-        for var in VARIANTS:
-            cfgs[f"gluon_ws{st}_{var}"] = dict(cfgs[f"gluon_ws{st}"], GLUON_PERM=var[0], GLUON_ROWSUM_N=int(var[1:]))
     out["configs"] = cfgs
 
-    # the K/V pre-kernel alone: key order vs K's rows / V's columns in the Gluon kernel's order (the same codes, moved)
+    # the K/V pre-kernel alone: plain V vs V with its keys in the Gluon kernel's order (the same codes, moved)
+    qa = K.quantize_kv(k, v, dict(cfgs["triton"], QPRE=True, Q_ROW=True), parts=(ksum, vamax))
+    qb = K.quantize_kv(k, v, dict(cfgs["gluon_m64"], Q_ROW=True), parts=(ksum, vamax))
     from h3_turbo.kernels.attention.int8_gluon import v_key_columns
 
-    f = v_key_columns(triton_cdiv(L, 128) * 128).to(DEV)
-    qcfg = {"triton": dict(cfgs["triton"], QPRE=True, Q_ROW=True),
-            "gluon_k": dict(cfgs["gluon_m64"], Q_ROW=True, GLUON_PERM="k"),
-            "gluon_v": dict(cfgs["gluon_m64"], Q_ROW=True, GLUON_PERM="v")}
-    qa = K.quantize_kv(k, v, qcfg["triton"], parts=(ksum, vamax))
-    qk = K.quantize_kv(k, v, qcfg["gluon_k"], parts=(ksum, vamax))
-    qv = K.quantize_kv(k, v, qcfg["gluon_v"], parts=(ksum, vamax))
     moved = torch.empty_like(qa["vq"].view(torch.uint8))
-    moved[..., f] = qa["vq"].view(torch.uint8)
-    out["quantize_kv_gluon_v_is_plain_moved"] = bool(torch.equal(qv["vq"].view(torch.uint8), moved)
-                                                     and torch.equal(qv["k8"], qa["k8"]))
-    out["quantize_kv_gluon_k_is_plain_moved"] = bool(torch.equal(qk["k8"], qa["k8"][:, f])
-                                                     and torch.equal(qk["vq"].view(torch.uint8),
-                                                                     qa["vq"].view(torch.uint8)))
-    del qa, qk, qv, moved
-    for name, qc in qcfg.items():
-        out[f"ms_quantize_kv_{name}"] = bench(lambda: K.quantize_kv(k, v, qc, parts=(ksum, vamax)))
+    moved[..., v_key_columns(qa["n_kpad"]).to(DEV)] = qa["vq"].view(torch.uint8)
+    out["quantize_kv_gluon_v_is_plain_v_moved"] = bool(torch.equal(qb["vq"].view(torch.uint8), moved))
+    out["ms_quantize_kv_triton"] = bench(lambda: K.quantize_kv(k, v, dict(cfgs["triton"], QPRE=True, Q_ROW=True),
+                                                               parts=(ksum, vamax)))
+    out["ms_quantize_kv_gluon"] = bench(lambda: K.quantize_kv(k, v, dict(cfgs["gluon_m64"], Q_ROW=True),
+                                                              parts=(ksum, vamax)))
     RES["steps"][str(L)] = out
     save()
 
@@ -133,10 +118,6 @@ def one_length(L: int) -> dict:
     for key in [x for x in out if x.startswith("ms_")]:
         out[key.replace("ms_", "tflops_")] = tflop / (out[key] / 1e3)
     return out
-
-
-def triton_cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 def main():

@@ -85,11 +85,6 @@ SETTINGS = {
     # kernel's time at 19 584 / 37 632 tokens, the same bits; slower on short sequences, docs/attention.md)
     "sage_gluon_ws_tokens": 16384,
     "sage_gluon_ws_stages": 2,
-    # the Gluon kernel's key order and row sums: "k" stores K's rows permuted per 32 (V in key order, a contiguous
-    # store), "v" V's columns (the earlier form: its transposed store is slower); the row-sum wgmma's N (8 or 16 ones
-    # columns; the same sums). Measured: docs/attention.md
-    "sage_gluon_perm": "k",
-    "sage_gluon_rowsum_n": 8,
     "rope_v_rows": 8,        # rows per v program of qk_norm_rope_sage with "kernel" stats (its column max |v|; a
                              # multiple of rope_rows; H200: 8 < 64 < 256, a longer loop per program is latency-bound)
     "gate_block": 2048,

@@ -357,15 +357,13 @@ def _dequantized(x8, sx, dtype):
 def _gluon_config(c: dict, device, tokens: int = 0) -> dict:
     """``c`` with the Gluon attention kernel (``kernels.fused.SETTINGS["sage_gluon"]``, "auto" or True): from
     ``SETTINGS["sage_gluon_ws_tokens"]`` tokens on, its warp-specialized form (BLOCK_M 128: two consumer warpgroups and
-    a TMA warp, ``num_stages`` K/V slots = ``SETTINGS["sage_gluon_ws_stages"]``), below it the 4-warp form (BLOCK_M 64),
-    the key order and row-sum width of ``SETTINGS["sage_gluon_perm"]`` / ``["sage_gluon_rowsum_n"]``;
+    a TMA warp, ``num_stages`` K/V slots = ``SETTINGS["sage_gluon_ws_stages"]``), below it the 4-warp form (BLOCK_M 64);
     or ``c`` unchanged with the reason logged once when this device / Triton cannot run it or ``c`` is not the
     configuration it implements."""
     from ..kernels.attention import int8_gluon, int8_kernels
 
     why = _GLUON_OFF.get(torch.device(device).type) or int8_gluon.available(device)
-    g = dict(c, GLUON=True, MAXNREG=None, Q_ROW=True, QPRE=True, GLUON_PERM=fk.SETTINGS["sage_gluon_perm"],
-             GLUON_ROWSUM_N=fk.SETTINGS["sage_gluon_rowsum_n"])
+    g = dict(c, GLUON=True, MAXNREG=None, Q_ROW=True, QPRE=True)
     if tokens >= fk.SETTINGS["sage_gluon_ws_tokens"]:
         g.update(BLOCK_M=128, num_warps=4, num_stages=fk.SETTINGS["sage_gluon_ws_stages"])
     else:

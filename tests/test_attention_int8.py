@@ -492,24 +492,10 @@ def test_gluon_key_order_is_a_permutation_within_each_32():
         assert p[[16 + 2 * t, 17 + 2 * t, 24 + 2 * t, 25 + 2 * t]].tolist() == [16 + 4 * t + j for j in range(4)]
 
 
-def test_gluon_key_order_puts_key_a_at_a_operand_position_a_with_k_permuted():
-    """GLUON_PERM "k": K row c holds key f(c) (f = ``v_key_columns``), score column c goes to A position f(c)
-    (``_as_a_operand``: the reshape [.., 2, 2, 4, 2] and the (i, t) swap, emulated here), so A position a holds key a
-    and V needs no permutation; the kernel's mask maps column c to key f(c) with the same bit formula."""
-    c = torch.arange(128)
-    f = _v_perm32(128)
-    a_from_col = c.reshape(4, 2, 2, 4, 2).permute(0, 1, 3, 2, 4).reshape(128)     # A position a <- score column
-    assert torch.equal(f[a_from_col], c)
-    mask_key = (c & ~31) | (((c >> 4) & 1) << 4) | (((c >> 1) & 3) << 2) | (((c >> 3) & 1) << 1) | (c & 1)
-    assert torch.equal(mask_key, f)
-
-
 @interp
-@pytest.mark.parametrize("perm", ["k", "v"])
-def test_interp_quantize_kv_for_the_gluon_kernel_moves_only_the_permuted_keys(perm):
-    """``quantize_kv`` with config GLUON: the same codes and scales as without it, with each 32 keys moved into the
-    Gluon kernel's order (``_v_perm32``) in K's rows (GLUON_PERM "k": row c holds key f(c)) or V's e4m3 [D, L_pad]
-    columns ("v": key c at column f(c)), bit for bit, the other operand untouched; ``perm32`` says which."""
+def test_interp_quantize_kv_for_the_gluon_kernel_permutes_only_v_keys():
+    """``quantize_kv`` with config GLUON: the same K codes and scales, and V's e4m3 [D, L_pad] with each 32 keys in
+    the Gluon kernel's order (``_v_perm32``), bit for bit the plain V with its columns moved; ``v_perm32`` says so."""
     g = torch.Generator().manual_seed(9)
     L, H, d = 150, 2, 64
     k = (torch.randn(1, H, L, d, generator=g) * 2).to(torch.bfloat16)
@@ -517,21 +503,14 @@ def test_interp_quantize_kv_for_the_gluon_kernel_moves_only_the_permuted_keys(pe
     ks, va = Q.kv_partial_stats(k[0].transpose(0, 1), v[0].transpose(0, 1))
     plain = dict(GLUON_CFG, GLUON=False)
     a = Q.quantize_kv(k, v, plain, parts=(ks, va))
-    b = Q.quantize_kv(k, v, dict(GLUON_CFG, GLUON_PERM=perm), parts=(ks, va))
-    assert a["perm32"] is None and b["perm32"] == perm and a["n_kpad"] == b["n_kpad"] == 256
-    for key in ("ks", "km", "vs", "vinv", "hmax"):
+    b = Q.quantize_kv(k, v, GLUON_CFG, parts=(ks, va))
+    assert a["v_perm32"] is False and b["v_perm32"] is True and a["n_kpad"] == b["n_kpad"] == 256
+    for key in ("k8", "ks", "km", "vs", "vinv", "hmax"):
         assert torch.equal(a[key], b[key]), key
-    f = _v_perm32(256)
-    if perm == "k":
-        assert torch.equal(b["vq"].view(torch.uint8), a["vq"].view(torch.uint8))
-        assert not torch.equal(b["k8"], a["k8"])
-        assert torch.equal(b["k8"], a["k8"][:, f])
-    else:
-        assert torch.equal(b["k8"], a["k8"])
-        moved = torch.empty_like(a["vq"].view(torch.uint8))
-        moved[..., f] = a["vq"].view(torch.uint8)
-        assert not torch.equal(b["vq"].view(torch.uint8), a["vq"].view(torch.uint8))
-        assert torch.equal(b["vq"].view(torch.uint8), moved)
+    moved = torch.empty_like(a["vq"].view(torch.uint8))
+    moved[..., _v_perm32(256)] = a["vq"].view(torch.uint8)
+    assert not torch.equal(b["vq"].view(torch.uint8), a["vq"].view(torch.uint8))
+    assert torch.equal(b["vq"].view(torch.uint8), moved)
 
 
 def test_gluon_config_is_refused_where_it_does_not_apply():
@@ -545,9 +524,6 @@ def test_gluon_config_is_refused_where_it_does_not_apply():
     for bad in ({"ROWSUM_MMA": False}, {"num_warps": 8}, {"BLOCK_M": 32}, {"BLOCK_M": 256}, {"BLOCK_N": 64},
                 {"Q_ROW": False}, {"MAXNREG": 168}):
         with pytest.raises(ValueError, match=re.escape(f"got {bad}")):
-            Q._cfg(dict(GLUON_CFG, **bad))
-    for bad in ({"GLUON_PERM": "q"}, {"GLUON_PERM": None}, {"GLUON_ROWSUM_N": 32}, {"GLUON_ROWSUM_N": True}):
-        with pytest.raises(ValueError, match="expected 'k' or 'v'.*expected 8 or 16"):
             Q._cfg(dict(GLUON_CFG, **bad))
     for st in (1, 5):       # the warp-specialized form keeps 2..4 K/V slots in shared memory
         with pytest.raises(ValueError, match=re.escape(f"got {{'num_stages': {st}}}")):
@@ -566,18 +542,10 @@ def test_gluon_config_is_refused_where_it_does_not_apply():
         with pytest.raises(err, match=match):
             Q.sage_attention_prequantized(torch.zeros(L, H, d, dtype=torch.int8), torch.zeros(L, H), k, k,
                                           torch.zeros(1, H, d), torch.zeros(1, H, d), config=GLUON_CFG)
-    # K/V quantized for the Gluon kernel never reach the Triton kernel (its launch refuses them before compiling)
-    for perm in ("k", "v"):
-        kv = {"perm32": perm, "k8": None, "vq": None, "n_kpad": 128}
-        with pytest.raises(ValueError, match="quantized for the Gluon kernel"):
-            Q._launch(q, q, q, (0, 0, 0, 0, 0), 16, kv, q, "bhld", None, 1, 2, 16, 16, 64, 0.1, Q._cfg(None))
-    # nor K/V in the other key order (or none) the Gluon kernel (its launch checks before building descriptors)
-    if int8_gluon.gluon is not None:
-        for have, want in (("v", "k"), ("k", "v"), (None, "k")):
-            kv = {"perm32": have, "k8": None, "vq": None, "n_kpad": 128}
-            with pytest.raises(ValueError, match=f"GLUON_PERM={want!r}"):
-                int8_gluon.launch_prequantized(None, None, kv, None, None, None, 2, 16, 128, 0.1,
-                                               Q._cfg(dict(GLUON_CFG, GLUON_PERM=want)))
+    # a V quantized for the Gluon kernel never reaches the Triton kernel (its launch refuses it before compiling)
+    kv = {"v_perm32": True, "k8": None, "vq": None, "n_kpad": 128}
+    with pytest.raises(ValueError, match="quantized for the Gluon kernel"):
+        Q._launch(q, q, q, (0, 0, 0, 0, 0), 16, kv, q, "bhld", None, 1, 2, 16, 16, 64, 0.1, Q._cfg(None))
 
 
 @interp
@@ -614,13 +582,13 @@ def test_interpreted_kernels_in_subprocess():
     tail = proc.stdout[-6000:] + proc.stderr[-2000:]
     assert proc.returncode == 0, tail
     m = re.search(r"(\d+) passed", proc.stdout)
-    assert m and int(m.group(1)) == 21, tail
+    assert m and int(m.group(1)) == 20, tail
     assert "skipped" not in proc.stdout.splitlines()[-1], tail
 
 
-def _compile_gluon_for_hopper(out_fp8: bool, ws: bool = False, k_perm: bool = True, rs_n: int = 8):
-    """The Gluon kernel (``ws``: its warp-specialized form, 2 K/V slots; ``k_perm``/``rs_n``: GLUON_PERM "k" and
-    GLUON_ROWSUM_N, the defaults) compiled for sm_90a with this Triton (no GPU needed) -> (PTX, ``ptxas -v`` report)."""
+def _compile_gluon_for_hopper(out_fp8: bool, ws: bool = False):
+    """The Gluon kernel (``ws``: its warp-specialized form, 2 K/V slots) compiled for sm_90a with this Triton (no GPU
+    needed) -> (PTX, ``ptxas -v`` report)."""
     triton = pytest.importorskip("triton")
     from h3_turbo.kernels.attention import int8_gluon as G
 
@@ -643,11 +611,10 @@ def _compile_gluon_for_hopper(out_fp8: bool, ws: bool = False, k_perm: bool = Tr
            "OUT": "*fp8e4nv" if out_fp8 else "*bf16", "HMAX": "*fp32", "SX": "*fp32", "ONES": "*fp8e4nv",
            "H": "i32", "N_Q": "i32", "N_K": "i32", "N_KPAD": "i32", "qk_scale": "fp32"}
     consts = {"HEAD_DIM": 128, "BLOCK_M": 64, "BLOCK_N": 128, "OUT_FP8": out_fp8, "HP": 64 if out_fp8 else 1,
-              "ONES_SWIZZLE": 128, "K_PERM": k_perm, "RS_N": rs_n, "num_warps": 4}
+              "ONES_SWIZZLE": 128, "num_warps": 4}
     options = {"num_warps": 4, "num_stages": 1}
     if ws:
-        consts = {"HEAD_DIM": 128, "BLOCK_N": 128, "STAGES": 2, "OUT_FP8": out_fp8, "ONES_SWIZZLE": 128,
-                  "K_PERM": k_perm, "RS_N": rs_n, "num_warps": 4}
+        consts = {"HEAD_DIM": 128, "BLOCK_N": 128, "STAGES": 2, "OUT_FP8": out_fp8, "ONES_SWIZZLE": 128, "num_warps": 4}
         options["maxnreg"] = G.WS_MAXNREG
     sig.update({k: "constexpr" for k in consts})
     assert list(sig) == list(fn.arg_names), (list(sig), fn.arg_names)
@@ -679,7 +646,6 @@ def test_gluon_kernel_compiles_for_hopper_with_its_wgmma_pipelined(out_fp8):
     assert "0 bytes spill stores, 0 bytes spill loads" in report, report
     assert ptx.count("wgmma.wait_group.sync.aligned 0;") >= 2 and "wgmma.mma_async.sync.aligned.m64n128k32.s32.s8.s8" in ptx
     assert "cvt.rn.satfinite.e4m3x2.f32 lo" in ptx        # the packing of P (inline PTX)
-    assert "wgmma.mma_async.sync.aligned.m64n8k32.f32.e4m3.e4m3" in ptx     # the row sums: P @ ones with N = 8
 
 
 @pytest.mark.parametrize("out_fp8", [True, False])
@@ -697,4 +663,3 @@ def test_gluon_ws_kernel_compiles_for_hopper_within_its_register_split(out_fp8):
     assert re.search(r"setmaxnreg\.dec\.sync\.aligned\.u32\s+24;", ptx), "TMA warp not lowered to 24 registers"
     assert ptx.count("wgmma.mma_async.sync.aligned.m64n128k32.s32.s8.s8") >= 2
     assert "cvt.rn.satfinite.e4m3x2.f32 lo" in ptx
-    assert "wgmma.mma_async.sync.aligned.m64n8k32.f32.e4m3.e4m3" in ptx

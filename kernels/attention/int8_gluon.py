@@ -8,11 +8,9 @@ S_j of key block j done (int8 wgmma, int32; the float32 score is the bit pattern
 12582912 + q8.k8, as in the Triton kernel), the int8 wgmma of S_{j+1} is issued and the online softmax of S_j runs
 while it is on the tensor cores (FlashAttention-3's overlap of softmax and GEMM, Shah et al. 2024,
 arXiv:2407.08608 section 3.2); then O is rescaled and P_j V_j (fp8 wgmma, P in registers) and its row sums
-(``P @ ones``, N = ``GLUON_ROWSUM_N`` ones columns) are issued, and the three are waited for. K and V arrive by TMA
-into two slots each, a slot reloaded as soon as the MMA that read it is done. So that P passes from the score
-accumulator to the A operand without moving data between threads, the keys of each 32 are stored permuted: K's rows
-(``GLUON_PERM`` "k", the default: V stays in key order) or V's columns ("v", the earlier form), by ``quantize_kv`` with
-the same config.
+(``P @ ones``) are issued, and the three are waited for. K and V arrive by TMA into two slots each, a slot reloaded as
+soon as the MMA that read it is done. V's keys are stored permuted within each 32 (``quantize_kv`` with ``GLUON``)
+so that P passes from the score accumulator to the A operand without moving data between threads.
 
 ``_attn_fwd_gluon_ws`` (BLOCK_M 128) is FlashAttention-3's warp-specialized form of the same math (arXiv:2407.08608
 sections 3.1-3.2): two consumer warpgroups of 64 rows whose wgmma issue alternates through two mbarriers (one
@@ -46,11 +44,10 @@ except Exception as e:  # noqa: BLE001 - any import failure means "no Gluon Hopp
 
 
 def v_key_columns(n: int) -> torch.Tensor:
-    """int64 [n] (n a multiple of 32): f(c), within each 32 keys c = 16h + 8i + 2t + e -> 16h + 4t + 2i + e (h, i, e in
-    {0, 1}, t in {0..3}), the A-operand position that score column c takes (:func:`_as_a_operand`: a reshape to
-    [.., 2, 2, 4, 2] and a swap of the (i, t) dimensions). With ``GLUON_PERM`` "v" the column of V's e4m3 [D, L_pad]
-    that holds key c is f(c) (``_quant_kv_kernel`` V_PERM32); with "k" the row c of K's int8 [L_pad, D] holds key f(c)
-    (K_PERM32), so A position a holds key a and V stays in key order."""
+    """int64 [n] (n a multiple of 32): the column of V's e4m3 [D, L_pad] that holds key c for this kernel: within each
+    32 keys, c = 16h + 8i + 2t + e goes to 16h + 4t + 2i + e (h, i, e in {0, 1}, t in {0..3}). The two kernels that
+    use this order compute it as a reshape to [.., 2, 2, 4, 2] and a swap of the (i, t) dimensions:
+    ``_quant_kv_kernel`` (V_PERM32) and :func:`_as_a_operand`."""
     c = torch.arange(n)
     h, i, t, e = (c >> 4) & 1, (c >> 3) & 1, (c >> 1) & 3, c & 1
     return (c & ~31) + 16 * h + 4 * t + 2 * i + e
@@ -78,18 +75,14 @@ if gluon is not None:
 
     @gluon.jit
     def _softmax_block(s, c, m_i, start_n, N_K, BLOCK_N: gl.constexpr, col_layout: gl.constexpr,
-                       MASK: gl.constexpr, K_PERM: gl.constexpr):
+                       MASK: gl.constexpr):
         """Online-softmax step of one key block: ``s`` int32 scores q8.k8 (+ 0x4B400000: the bits of
         12582912 + q8.k8 as float32), ``c`` the per-row score scale (exp2 domain) -> (P * 448 e4m3 inputs as float32,
         alpha = exp2(m_i - m_new), m_new); the float32 ops of ``_update`` in the Triton kernel."""
         x = (s + 0x4B400000).to(gl.float32, bitcast=True)
         off = -12582912.0 * c
         if MASK:
-            col = gl.arange(0, BLOCK_N, layout=col_layout)
-            if K_PERM:      # column c of a block holds key key_of_position(c) (K stored permuted, quantize_kv)
-                col = (col & ~31) | (((col >> 4) & 1) << 4) | (((col >> 1) & 3) << 2) | (((col >> 3) & 1) << 1) \
-                    | (col & 1)
-            valid = gl.expand_dims(start_n + col < N_K, 0)
+            valid = gl.expand_dims(start_n + gl.arange(0, BLOCK_N, layout=col_layout) < N_K, 0)
             x = gl.where(valid, x, 0.0)
         m_new = gl.maximum(m_i, gl.max(x, 1) * c + off)
         arg = x * gl.expand_dims(c, 1) + gl.expand_dims(off + 8.807354922057604 - m_new, 1)   # log2(448)
@@ -102,8 +95,8 @@ if gluon is not None:
         """P [BLOCK_M, BLOCK_N] float32 in the scores' accumulator layout -> e4m3 in the A-operand layout of the P V
         wgmma without moving data between threads: within each 32 keys the column c = 16h + 8i + 2t + e (thread t
         of a quad holds e in {0, 1}, i in {0, 1}) becomes A position 16h + 4t + 2i + e, which the same thread holds
-        (four consecutive k per register); K's rows or V's columns are stored permuted to match (quantize_kv with
-        GLUON, :func:`v_key_columns`), so P V is unchanged. FlashAttention-3 reorders its FP8 P registers the same way (arXiv:2407.08608 section 3.3)."""
+        (four consecutive k per register); V's keys are stored in that order (quantize_kv with GLUON), so P V is
+        unchanged. FlashAttention-3 reorders its FP8 P registers the same way (arXiv:2407.08608 section 3.3)."""
         BLOCK_M: gl.constexpr = p.shape[0]
         BLOCK_N: gl.constexpr = p.shape[1]
         x = gl.reshape(p, [BLOCK_M, BLOCK_N // 32, 2, 2, 4, 2])
@@ -119,16 +112,14 @@ if gluon is not None:
     def _pipelined_block(j, s, acc, l_i, m_i, qc, ks_ptr, q_smem, k_smem, v_smem, ones_smem, k_bar, v_bar,
                          k_desc, v_desc, k_row, v_row, n, N_K, s_zero, rs0,
                          BLOCK_N: gl.constexpr, k_bytes: gl.constexpr, v_bytes: gl.constexpr,
-                         col_s: gl.constexpr, row_o: gl.constexpr, p_layout: gl.constexpr, MASK: gl.constexpr,
-                         K_PERM: gl.constexpr):
+                         col_s: gl.constexpr, row_o: gl.constexpr, p_layout: gl.constexpr, MASK: gl.constexpr):
         """Key block j with its scores ``s`` done: S_{j+1} issued (on the last block a dummy on the K slot it holds,
         no load, result unused), the softmax of S_j while it runs, O rescaled, P_j V_j and its row sums issued, all
         waited for; the freed K slot takes K_{j+3}, the V slot V_{j+2}. Returns (S_{j+1}, O, l, m)."""
         sn = (j + 1) % 2
         mbarrier.wait(k_bar.index(sn), ((j + 1) // 2) & 1, pred=j + 1 < n)
         s_tok = warpgroup_mma(q_smem, k_smem.index(sn).permute((1, 0)), s_zero, use_acc=False, is_async=True)
-        p, alpha, m_i = _softmax_block(s, qc * gl.load(ks_ptr + j), m_i, j * BLOCK_N, N_K, BLOCK_N, col_s, MASK,
-                                       K_PERM)
+        p, alpha, m_i = _softmax_block(s, qc * gl.load(ks_ptr + j), m_i, j * BLOCK_N, N_K, BLOCK_N, col_s, MASK)
         p8 = _as_a_operand(p, p_layout)
         alpha_o = gl.convert_layout(alpha, row_o)
         acc = acc * gl.expand_dims(alpha_o, 1)
@@ -151,7 +142,7 @@ if gluon is not None:
                         H, N_Q, N_K, N_KPAD, qk_scale,
                         HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                         OUT_FP8: gl.constexpr, HP: gl.constexpr, ONES_SWIZZLE: gl.constexpr,
-                        K_PERM: gl.constexpr, RS_N: gl.constexpr, num_warps: gl.constexpr):
+                        num_warps: gl.constexpr):
         pid_m = gl.program_id(0)
         bh = gl.program_id(1)                                # batch 1: bh is the head
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
@@ -159,7 +150,7 @@ if gluon is not None:
         o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
                                                            instr_shape=[16, HEAD_DIM, 32])
         r_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
-                                                           instr_shape=[16, RS_N, 32])
+                                                           instr_shape=[16, 16, 32])
         p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=4)
         row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
         col_s: gl.constexpr = gl.SliceLayout(0, s_layout)
@@ -172,10 +163,10 @@ if gluon is not None:
         k_smem = gl.allocate_shared_memory(k_desc.dtype, [2] + k_desc.block_type.shape, k_desc.layout)
         v_smem = gl.allocate_shared_memory(v_desc.dtype, [2] + v_desc.block_type.shape, v_desc.layout)
         # (a tile built in registers by gl.full(1.0) read back wrong through the wgmma in Triton 3.6: loaded instead)
-        offs_r = gl.arange(0, RS_N, layout=gl.SliceLayout(1, fill_layout))
+        offs_r = gl.arange(0, 16, layout=gl.SliceLayout(1, fill_layout))
         offs_c = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, fill_layout))
         ones = gl.load(ONES + gl.expand_dims(offs_r, 1) * BLOCK_N + gl.expand_dims(offs_c, 0))
-        ones_smem = gl.allocate_shared_memory(gl.float8e4nv, [RS_N, BLOCK_N], ones_layout, ones)
+        ones_smem = gl.allocate_shared_memory(gl.float8e4nv, [16, BLOCK_N], ones_layout, ones)
         q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
         k_bar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         v_bar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
@@ -208,7 +199,7 @@ if gluon is not None:
         qc = gl.load(QS + bh + offs_m * H, mask=offs_m < N_Q, other=0.0) * qk_scale
         ks_ptr = KS + bh * (N_KPAD // BLOCK_N)
         s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.int32, s_layout)   # unused values (use_acc=False)
-        rs0 = gl.zeros([BLOCK_M, RS_N], gl.float32, r_layout)
+        rs0 = gl.zeros([BLOCK_M, 16], gl.float32, r_layout)
 
         # ---- key block 0
         mbarrier.wait(q_bar, 0)
@@ -227,11 +218,11 @@ if gluon is not None:
         for j in range(0, n_full):
             s, acc, l_i, m_i = _pipelined_block(j, s, acc, l_i, m_i, qc, ks_ptr, q_smem, k_smem, v_smem, ones_smem,
                                                 k_bar, v_bar, k_desc, v_desc, k_row, v_row, n, N_K, s_zero, rs0,
-                                                BLOCK_N, k_bytes, v_bytes, col_s, row_o, p_layout, False, K_PERM)
+                                                BLOCK_N, k_bytes, v_bytes, col_s, row_o, p_layout, False)
         if n_full < n:
             s, acc, l_i, m_i = _pipelined_block(n_full, s, acc, l_i, m_i, qc, ks_ptr, q_smem, k_smem, v_smem,
                                                 ones_smem, k_bar, v_bar, k_desc, v_desc, k_row, v_row, n, N_K, s_zero,
-                                                rs0, BLOCK_N, k_bytes, v_bytes, col_s, row_o, p_layout, True, K_PERM)
+                                                rs0, BLOCK_N, k_bytes, v_bytes, col_s, row_o, p_layout, True)
         mbarrier.invalidate(q_bar)
         for i in gl.static_range(2):
             mbarrier.invalidate(k_bar.index(i))
@@ -280,12 +271,11 @@ if gluon is not None:
     def _ws_step(j, s, acc, l_i, m_i, qc, ks_ptr, q_smem, k_smem, v_smem, ones_smem, k_ready, v_ready, k_empty,
                  v_empty, my_turn, other_turn, turn_ph, N_K, s_zero, rs0,
                  BLOCK_N: gl.constexpr, STAGES: gl.constexpr, col_s: gl.constexpr, row_o: gl.constexpr,
-                 p_layout: gl.constexpr, MASK: gl.constexpr, LAST: gl.constexpr, K_PERM: gl.constexpr):
+                 p_layout: gl.constexpr, MASK: gl.constexpr, LAST: gl.constexpr):
         """Key block j of a consumer warpgroup with its scores ``s`` done: the softmax of S_j and O's rescale (while the
         other warpgroup's GEMMs run), then in this warpgroup's turn P_j V_j, its row sums and (unless ``LAST``)
         S_{j+1} = Q K_{j+1}^T issued, all waited for, the slots released. Returns (S_{j+1}, O, l, m)."""
-        p, alpha, m_i = _softmax_block(s, qc * gl.load(ks_ptr + j), m_i, j * BLOCK_N, N_K, BLOCK_N, col_s, MASK,
-                                       K_PERM)
+        p, alpha, m_i = _softmax_block(s, qc * gl.load(ks_ptr + j), m_i, j * BLOCK_N, N_K, BLOCK_N, col_s, MASK)
         p8 = _as_a_operand(p, p_layout)
         alpha_o = gl.convert_layout(alpha, row_o)
         acc = acc * gl.expand_dims(alpha_o, 1)
@@ -309,7 +299,7 @@ if gluon is not None:
         return s, acc, l_i, m_i
 
     @gluon.jit
-    def _ws_consumer(args, WG: gl.constexpr, K_PERM: gl.constexpr):
+    def _ws_consumer(args, WG: gl.constexpr):
         """One consumer warpgroup (4 warps): query rows [pid_m * 128 + 64 WG, + 64) of head bh, all key blocks, then
         the epilogue (the 4-warp kernel's). Its wgmma issue alternates with the other consumer's through the two turn
         mbarriers (FlashAttention-3's ping-pong, arXiv:2407.08608 section 3.1: one warpgroup's softmax under the
@@ -324,9 +314,8 @@ if gluon is not None:
                                                            instr_shape=[16, BLOCK_N, 32])
         o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                            instr_shape=[16, HEAD_DIM, 32])
-        RS_N: gl.constexpr = ones_smem.type.shape[0]
         r_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                           instr_shape=[16, RS_N, 32])
+                                                           instr_shape=[16, 16, 32])
         p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=4)
         row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
         col_s: gl.constexpr = gl.SliceLayout(0, s_layout)
@@ -344,7 +333,7 @@ if gluon is not None:
         qc = gl.load(QS + bh + offs_m * H, mask=offs_m < N_Q, other=0.0) * qk_scale
         ks_ptr = KS + bh * (N_KPAD // BLOCK_N)
         s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.int32, s_layout)
-        rs0 = gl.zeros([BLOCK_M, RS_N], gl.float32, r_layout)
+        rs0 = gl.zeros([BLOCK_M, 16], gl.float32, r_layout)
 
         # ---- S_0 in this warpgroup's first turn
         mbarrier.wait(my_turn, turn_ph)
@@ -362,35 +351,26 @@ if gluon is not None:
         for j in range(0, n - 1):
             s, acc, l_i, m_i = _ws_step(j, s, acc, l_i, m_i, qc, ks_ptr, qw, k_smem, v_smem, ones_smem, k_ready,
                                         v_ready, k_empty, v_empty, my_turn, other_turn, turn_ph, N_K, s_zero, rs0,
-                                        BLOCK_N, STAGES, col_s, row_o, p_layout, False, False, K_PERM)
+                                        BLOCK_N, STAGES, col_s, row_o, p_layout, False, False)
         if n_full < n:
             s, acc, l_i, m_i = _ws_step(n - 1, s, acc, l_i, m_i, qc, ks_ptr, qw, k_smem, v_smem, ones_smem, k_ready,
                                         v_ready, k_empty, v_empty, my_turn, other_turn, turn_ph, N_K, s_zero, rs0,
-                                        BLOCK_N, STAGES, col_s, row_o, p_layout, True, True, K_PERM)
+                                        BLOCK_N, STAGES, col_s, row_o, p_layout, True, True)
         else:
             s, acc, l_i, m_i = _ws_step(n - 1, s, acc, l_i, m_i, qc, ks_ptr, qw, k_smem, v_smem, ones_smem, k_ready,
                                         v_ready, k_empty, v_empty, my_turn, other_turn, turn_ph, N_K, s_zero, rs0,
-                                        BLOCK_N, STAGES, col_s, row_o, p_layout, False, True, K_PERM)
+                                        BLOCK_N, STAGES, col_s, row_o, p_layout, False, True)
 
         # ---- epilogue (the 4-warp kernel's)
         _store_output(acc, l_i, pid_m * 128 + WG * BLOCK_M, bh, VS, OUT, HMAX, SX, H, N_Q, row_o, col_o, 0, 4)
 
-    # the partitions, per key order (a constexpr does not pass through warp_specialize's arguments)
     @gluon.jit
     def _ws_consumer0(args):
-        _ws_consumer(args, 0, False)
+        _ws_consumer(args, 0)
 
     @gluon.jit
     def _ws_consumer1(args):
-        _ws_consumer(args, 1, False)
-
-    @gluon.jit
-    def _ws_consumer0_kperm(args):
-        _ws_consumer(args, 0, True)
-
-    @gluon.jit
-    def _ws_consumer1_kperm(args):
-        _ws_consumer(args, 1, True)
+        _ws_consumer(args, 1)
 
     @gluon.jit
     def _ws_producer(args):
@@ -423,8 +403,8 @@ if gluon is not None:
     def _attn_fwd_gluon_ws(q_desc, k_desc, v_desc, QS, KS, VS, OUT, HMAX, SX, ONES,
                            H, N_Q, N_K, N_KPAD, qk_scale,
                            HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-                           OUT_FP8: gl.constexpr, ONES_SWIZZLE: gl.constexpr, K_PERM: gl.constexpr,
-                           RS_N: gl.constexpr, num_warps: gl.constexpr):
+                           OUT_FP8: gl.constexpr, ONES_SWIZZLE: gl.constexpr,
+                           num_warps: gl.constexpr):
         """128 query rows per program: two consumer warpgroups of 64 rows (the default partition and a 4-warp
         worker) sharing K/V slots that a 1-warp TMA worker fills (FlashAttention-3's warp specialization and
         ping-pong schedule); the same per-row math, so the same bits, as :func:`_attn_fwd_gluon`."""
@@ -433,10 +413,10 @@ if gluon is not None:
         q_smem = gl.allocate_shared_memory(q_desc.dtype, [2] + q_desc.block_type.shape, q_desc.layout)
         k_smem = gl.allocate_shared_memory(k_desc.dtype, [STAGES] + k_desc.block_type.shape, k_desc.layout)
         v_smem = gl.allocate_shared_memory(v_desc.dtype, [STAGES] + v_desc.block_type.shape, v_desc.layout)
-        offs_r = gl.arange(0, RS_N, layout=gl.SliceLayout(1, fill_layout))
+        offs_r = gl.arange(0, 16, layout=gl.SliceLayout(1, fill_layout))
         offs_c = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, fill_layout))
         ones = gl.load(ONES + gl.expand_dims(offs_r, 1) * BLOCK_N + gl.expand_dims(offs_c, 0))
-        ones_smem = gl.allocate_shared_memory(gl.float8e4nv, [RS_N, BLOCK_N], ones_layout, ones)
+        ones_smem = gl.allocate_shared_memory(gl.float8e4nv, [16, BLOCK_N], ones_layout, ones)
         q_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
         k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -459,12 +439,8 @@ if gluon is not None:
         args = (q_desc, k_desc, v_desc, QS, KS, VS, OUT, HMAX, SX, H, N_Q, N_K, N_KPAD, qk_scale,
                 q_smem, k_smem, v_smem, ones_smem, q_ready, k_ready, v_ready, k_empty, v_empty, turn)
         wargs = (args,)
-        if K_PERM:
-            gl.warp_specialize([(_ws_consumer0_kperm, wargs), (_ws_consumer1_kperm, wargs), (_ws_producer, wargs)],
-                               [4, 1], [WS_CONSUMER_REGS, 24])
-        else:
-            gl.warp_specialize([(_ws_consumer0, wargs), (_ws_consumer1, wargs), (_ws_producer, wargs)],
-                               [4, 1], [WS_CONSUMER_REGS, 24])
+        gl.warp_specialize([(_ws_consumer0, wargs), (_ws_consumer1, wargs), (_ws_producer, wargs)],
+                           [4, 1], [WS_CONSUMER_REGS, 24])
 
 
 def launch_prequantized(q8: torch.Tensor, qs: torch.Tensor, kv: dict, out: torch.Tensor, fp8_scales, ones, H: int,
@@ -473,13 +449,10 @@ def launch_prequantized(q8: torch.Tensor, qs: torch.Tensor, kv: dict, out: torch
     contiguous, qs float32 [L, H], ``kv`` from ``quantize_kv`` (PV_FP8), ``out`` [1, L, H*D] (bf16 / fp16, or e4m3 with
     ``fp8_scales`` = (hmax [H], sx [L, 1])); ``sm_log2`` = softmax scale * log2(e); ``c`` the launch configuration
     (validated by ``_cfg``: BLOCK_M 64 -> the 4-warp kernel, 128 -> the warp-specialized one with ``num_stages`` K/V
-    slots; 4 warps, BLOCK_N 128, no register cap; ``GLUON_PERM``: which of K or V ``kv`` holds with its keys permuted,
-    ``GLUON_ROWSUM_N``: the row-sum wgmma's N). ValueError for a ``kv`` not quantized with this ``GLUON_PERM``."""
+    slots; 4 warps, BLOCK_N 128, no register cap). ValueError for a V not quantized with config GLUON."""
     bm, bn, npad = c["BLOCK_M"], c["BLOCK_N"], kv["n_kpad"]
-    if kv.get("perm32") != c["GLUON_PERM"]:
-        raise ValueError(f"attention_int8 GLUON: K/V quantized with keys permuted in {kv.get('perm32')!r}, the kernel "
-                         f"was configured for GLUON_PERM={c['GLUON_PERM']!r} (quantize_kv with the same config)")
-    kperm, rs_n = c["GLUON_PERM"] == "k", c["GLUON_ROWSUM_N"]
+    if not kv.get("v_perm32"):
+        raise ValueError("attention_int8 GLUON: V must be quantized with config GLUON (keys permuted per 32)")
     qm = 64 if bm == 128 else bm       # the warp-specialized kernel loads Q per 64-row consumer
     i8 = gl.NVMMASharedLayout.get_default_for([qm, D], gl.int8)
     q_desc = GluonTensorDescriptor(q8.view(L, H * D), [L, H * D], [H * D, 1], [qm, D], i8)
@@ -492,11 +465,11 @@ def launch_prequantized(q8: torch.Tensor, qs: torch.Tensor, kv: dict, out: torch
         _attn_fwd_gluon_ws[(triton.cdiv(L, 128), H)](
             q_desc, k_desc, v_desc, qs, kv["ks"], kv["vs"], out, hmax, sx, ones, H, L, L, npad, sm_log2,
             HEAD_DIM=D, BLOCK_N=bn, STAGES=c["num_stages"], OUT_FP8=fp8_scales is not None,
-            ONES_SWIZZLE=min(128, bn), K_PERM=kperm, RS_N=rs_n, num_warps=4, maxnreg=WS_MAXNREG)
+            ONES_SWIZZLE=min(128, bn), num_warps=4, maxnreg=WS_MAXNREG)
         return out
     grid = (triton.cdiv(L, bm), H)
     _attn_fwd_gluon[grid](q_desc, k_desc, v_desc, qs, kv["ks"], kv["vs"], out, hmax, sx, ones, H, L, L, npad, sm_log2,
                           HEAD_DIM=D, BLOCK_M=bm, BLOCK_N=bn, OUT_FP8=fp8_scales is not None, ONES_SWIZZLE=min(128, bn),
-                          HP=triton.next_power_of_2(H) if fp8_scales is not None else 1, K_PERM=kperm, RS_N=rs_n,
+                          HP=triton.next_power_of_2(H) if fp8_scales is not None else 1,
                           num_warps=bm // 16)
     return out

@@ -84,7 +84,7 @@ LOG2_FP8_MAX = math.log2(FP8_MAX)
 DEFAULT_CONFIG = {"BLOCK_M": 64, "BLOCK_N": 128, "num_warps": 4, "num_stages": 3, "MAGIC": True,
                   "PV_FP8": True, "V_MEAN": False, "IMPRECISE": None,
                   "TMA": False, "QPRE": False, "ROWSUM_MMA": False, "MAXNREG": None, "Q_ROW": False,
-                  "GLUON": False, "GLUON_PERM": "k", "GLUON_ROWSUM_N": 8}
+                  "GLUON": False}
 # Hopper (compute capability 9.x): (largest key length or None, changes from DEFAULT_CONFIG); the first row
 # that fits is used. K/V through TMA, Q quantized by its pre-kernel, row sums on the tensor cores, at most
 # 168 registers per thread (how this row was chosen: docs/attention.md).
@@ -154,7 +154,7 @@ if triton is not None:
                          H, N_K, N_KPAD, N_PARTS, n_f,
                          HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, PV_FP8: tl.constexpr,
                          V_MEAN: tl.constexpr, INTERP: tl.constexpr, FROM_PARTS: tl.constexpr,
-                         K_PERM32: tl.constexpr, V_PERM32: tl.constexpr):
+                         V_PERM32: tl.constexpr):
         j = tl.program_id(0)
         bh = tl.program_id(1)
         b = bh // H
@@ -184,13 +184,7 @@ if triton is not None:
             km = tl.load(KM + bh * HEAD_DIM + offs_d)
         k8, amax = _quant_i8_block(tl.where(valid, k - km[None, :], 0.0))
         base = bh.to(tl.int64) * N_KPAD * HEAD_DIM
-        if K_PERM32:    # key n = 16h + 4t + 2i + e (+ 32g) at row 16h + 8i + 2t + e (int8_gluon.py: the P registers'
-            # order), so that V stays in key order; whole rows move, the store stays contiguous per row
-            rows = (offs_n & ~31) | (((offs_n >> 4) & 1) << 4) | (((offs_n >> 1) & 1) << 3) \
-                | (((offs_n >> 2) & 3) << 1) | (offs_n & 1)
-        else:
-            rows = offs_n
-        tl.store(K8 + base + rows[:, None] * HEAD_DIM + offs_d[None, :], k8)
+        tl.store(K8 + base + offs_n[:, None] * HEAD_DIM + offs_d[None, :], k8)
         tl.store(KS + bh * nb + j, amax / 127.0)
         # ---- V
         vp = _bhld_ptrs(V, b, h, offs_n, offs_d, svb, svh, svn, svd)
@@ -453,10 +447,6 @@ def _cfg(config: dict | None) -> dict:
         raise ValueError("attention_int8: ROWSUM_MMA needs PV_FP8 (the row sum runs on the e4m3 P)")
     if c["Q_ROW"] and not c["QPRE"]:
         raise ValueError("attention_int8: Q_ROW needs QPRE (the per-row Q scales come from a pre-kernel or producer)")
-    if c["GLUON_PERM"] not in ("k", "v") or c["GLUON_ROWSUM_N"] not in (8, 16) \
-            or isinstance(c["GLUON_ROWSUM_N"], bool):
-        raise ValueError(f"attention_int8: config GLUON_PERM={c['GLUON_PERM']!r} (expected 'k' or 'v'), "
-                         f"GLUON_ROWSUM_N={c['GLUON_ROWSUM_N']!r} (expected 8 or 16)")
     if c["GLUON"]:      # the Gluon kernel (int8_gluon.py) implements exactly this configuration (measured: docs)
         need = {"TMA": True, "QPRE": True, "Q_ROW": True, "MAGIC": True, "PV_FP8": True, "ROWSUM_MMA": True,
                 "V_MEAN": False, "IMPRECISE": None, "MAXNREG": None, "num_warps": 4, "BLOCK_N": 128}
@@ -489,7 +479,7 @@ def kv_stats(k: torch.Tensor, v: torch.Tensor, v_mean: bool = True, pv_fp8: bool
     return km.contiguous(), vm.contiguous(), vs.contiguous(), vinv.contiguous()
 
 
-def kv_partial_stats(k: torch.Tensor, v: torch.Tensor, parts: int = 16, block_l: int = 32):
+def kv_partial_stats(k: torch.Tensor, v: torch.Tensor, parts: int = 16, block_l: int = 32, num_warps: int = 4):
     """One pass over k and v [L, H, D] (bf16/fp16, last stride 1, any row / head strides, e.g. the k / v columns of
     a qkv buffer): (ksum, vamax), float32 [R, H, D] each: the column sums of k and the column maxima of |v| over R
     <= ``parts`` consecutive row ranges (their sum / max over dim 0 are the statistics; a fixed order, so the same
@@ -505,7 +495,7 @@ def kv_partial_stats(k: torch.Tensor, v: torch.Tensor, parts: int = 16, block_l:
     ksum = torch.empty((r, H, D), device=k.device, dtype=torch.float32)
     vamax = torch.empty((r, H, D), device=k.device, dtype=torch.float32)
     _kv_colstats_kernel[(H, r)](k, v, ksum, vamax, k.stride(0), k.stride(1), v.stride(0), v.stride(1), H, L, rows,
-                                HEAD_DIM=D, BLOCK_L=block_l, num_warps=4)
+                                HEAD_DIM=D, BLOCK_L=block_l, num_warps=num_warps)
     return ksum, vamax
 
 
@@ -522,21 +512,22 @@ def _v_scales(amax: torch.Tensor):
     return amax / FP8_MAX, torch.where(amax > 0, FP8_MAX / amax, torch.zeros_like(amax))
 
 
-def quantize_kv(k: torch.Tensor, v: torch.Tensor, config: dict | None = None, stats=None, parts=None):
+def quantize_kv(k: torch.Tensor, v: torch.Tensor, config: dict | None = None, stats=None, parts=None,
+                num_warps: int | None = None):
     """Pre-kernel: k, v [B, H, L, D] (bf16/fp16, any strides) -> dict with ``k8`` int8 [B*H, L_pad, D]
     (smoothed, per-block of BLOCK_N keys), ``ks`` float32 [B*H, L_pad/BLOCK_N], ``vq`` (e4m3
-    [B*H, D, L_pad] if PV_FP8 else bf16 [B*H, L_pad, D]), ``km``/``vm``/``vs``/``vinv`` float32 [B*H, D],
-    ``n_kpad`` = L rounded up to BLOCK_N, ``perm32``: None, or with ``GLUON`` which of ``k8`` (rows, "k") or ``vq``
-    (columns, "v") holds the keys of each 32 in the order of :mod:`.int8_gluon`'s P registers (``GLUON_PERM``;
-    :func:`.int8_gluon.v_key_columns`; the same codes and scales, moved). Rows past L are written as zeros. ``stats``: (km, vm, vs, vinv)
+    [B*H, D, L_pad] if PV_FP8 else bf16 [B*H, L_pad, D]; with ``GLUON`` the keys of each 32 in the order of
+    :mod:`.int8_gluon`'s P registers, ``v_perm32`` True), ``km``/``vm``/``vs``/``vinv`` float32 [B*H, D],
+    ``n_kpad`` = L rounded up to BLOCK_N. Rows past L are written as zeros. ``stats``: (km, vm, vs, vinv)
     already computed (e.g. :func:`stats_from_sums`), else :func:`kv_stats` here. ``parts``: (ksum, vamax) partials
     [R, B*H, D] (:func:`kv_partial_stats`; needs V_MEAN off and PV_FP8): the kernel reduces them itself (no torch
-    op), ``vm`` is then None and the dict adds ``hmax`` float32 [B*H] (max |v| per (b, h))."""
+    op), ``vm`` is then None and the dict adds ``hmax`` float32 [B*H] (max |v| per (b, h)). ``num_warps``: the
+    launch's (default 8 for the Gluon layout, 4 otherwise; the output does not depend on it: every reduction in the
+    kernel is a max or runs in a fixed order per element)."""
     c = _cfg(config)
     B, H, L, D = k.shape
     bn = c["BLOCK_N"]
     npad = triton.cdiv(L, bn) * bn
-    perm = c["GLUON_PERM"] if c["GLUON"] else None
     hmax = None
     if parts is not None:
         kp, vp = parts
@@ -562,8 +553,10 @@ def quantize_kv(k: torch.Tensor, v: torch.Tensor, config: dict | None = None, st
         k, v, km, vm if vm is not None else km, vinv, k8, ks, vq, kp, vp, vs, hmax if hmax is not None else km,
         *k.stride(), *v.stride(), H, L, npad, kp.shape[0] if parts is not None else 0, float(max(L, 1)),
         HEAD_DIM=D, BLOCK_N=bn, PV_FP8=c["PV_FP8"], V_MEAN=c["V_MEAN"], INTERP=INTERPRET,
-        FROM_PARTS=parts is not None, K_PERM32=perm == "k", V_PERM32=perm == "v", num_warps=4)
-    out = {"k8": k8, "ks": ks, "vq": vq, "km": km, "vm": vm, "vs": vs, "vinv": vinv, "n_kpad": npad, "perm32": perm}
+        FROM_PARTS=parts is not None, V_PERM32=c["GLUON"],
+        num_warps=num_warps or (8 if c["GLUON"] and not INTERPRET else 4))
+    out = {"k8": k8, "ks": ks, "vq": vq, "km": km, "vm": vm, "vs": vs, "vinv": vinv, "n_kpad": npad,
+           "v_perm32": c["GLUON"]}
     if hmax is not None:
         out["hmax"] = hmax
     return out
@@ -680,9 +673,9 @@ def _launch(q, q8, qs, q8_strides, nqpad, kv, out, out_layout, fp8_scales, B, H,
 
         return int8_gluon.launch_prequantized(q8, qs, kv, out, fp8_scales, _ones_e4m3(q.device, c["BLOCK_N"]), H, Lq, D,
                                                 sm * LOG2E, c)
-    if kv.get("perm32"):
-        raise ValueError(f"attention_int8: K/V were quantized for the Gluon kernel (config GLUON: the keys of "
-                         f"{kv['perm32']!r} permuted); the Triton kernel needs them in key order")
+    if kv.get("v_perm32"):
+        raise ValueError("attention_int8: V was quantized for the Gluon kernel (keys permuted, config GLUON); the "
+                         "Triton kernel needs it in key order")
     if out_layout == "bhld":
         so = out.stride()
     else:

@@ -39,7 +39,7 @@ rows named ``<name>_fused_sage``), SETTINGS_B (a JSON dict of ``kernels.fused.SE
 again, the same MODEL, with these settings as ``<name>_fused_b``, its errors also against ``<name>_fused``; an A/B in
 one process; unknown keys are refused, and it excludes FUSED_SAGE=ab), PROFILE (comma list of
 configuration names), GAP_OPS (N: each profile also lists, for its N largest GPU idle gaps, the top-level host ops that
-started inside the gap with their Python stacks: what the GPU waited for), DEADLINE (s since start after which no
+started inside the gap: what the GPU waited for), DEADLINE (s since start after which no
 new configuration starts), CKPT_DIR (where the checkpoint is written), COMFY_ARGS (default --highvram on the
 GPU: offload device = GPU, so unloading a family moves nothing), PLOT=1 (write the PNG at the end),
 PLOT_ONLY=a.json,b.json (plot these result files, nothing else), MERGE=a.json,b.json (write the issue's result
@@ -440,45 +440,41 @@ def category(name: str) -> str:
     return "other"
 
 
-_PYFRAME = re.compile(r".*\.py\(\d+\): ")
+def idle_gaps(kern) -> list:
+    """GPU idle gaps of kernels ``kern`` [(name, start_us, end_us)]: (us, from_us, to_us, kernel before, kernel
+    after, fraction of the kernels before it) between the latest end so far and the next start, in start order."""
+    kern = sorted(kern, key=lambda k: k[1])
+    if not kern:
+        return []
+    out, end, prev = [], kern[0][2], kern[0][0]
+    for i, (nm, s0, t0) in enumerate(kern[1:], 1):
+        if s0 > end:
+            out.append((s0 - end, end, s0, prev[:60], nm[:60], round(i / len(kern), 3)))
+        if t0 >= end:
+            end, prev = t0, nm
+    return out
 
 
 def gap_host(m, inp) -> list:
-    """A second profiled forward with the Python tracer on (``with_stack``: it slows the host, so only where the host
-    code sits matters, not the gap sizes): for the GAP_OPS largest GPU idle gaps, the Python frames overlapping each
-    (their overlap in us; frames over 20x the gap, the outer calls, left out) and the torch ops starting in it."""
+    """A second profiled forward (its CPU ops recorded): for the GAP_OPS largest GPU idle gaps, the top-level torch
+    ops the host started inside each, i.e. what the GPU waited for. (Python frames would name the code; torch 2.11's
+    ``events()`` lists none, with or without ``with_stack``.)"""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
     sync()
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], with_stack=True) as prof:
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         forward(m, inp)
     ev = list(prof.events())
-    kern = sorted(((e.name, e.time_range.start, e.time_range.end) for e in ev
-                   if getattr(e, "device_type", None) == DeviceType.CUDA), key=lambda k: k[1])
-    gaps, end, prev = [], kern[0][2] if kern else 0, kern[0][0] if kern else ""
-    for nm, s0, t0 in kern[1:]:
-        if s0 > end:
-            gaps.append((s0 - end, end, s0, prev[:60], nm[:60]))
-        if t0 >= end:
-            end, prev = t0, nm
-    cpu = [e for e in ev if getattr(e, "device_type", None) == DeviceType.CPU]
-    frames = [e for e in cpu if _PYFRAME.match(e.name)]
-    ops = [e for e in cpu if not _PYFRAME.match(e.name)
-           and (e.cpu_parent is None or _PYFRAME.match(e.cpu_parent.name))]
+    kern = [(e.name, e.time_range.start, e.time_range.end) for e in ev
+            if getattr(e, "device_type", None) == DeviceType.CUDA]
+    ops = [e for e in ev if getattr(e, "device_type", None) == DeviceType.CPU and e.cpu_parent is None]
     out = []
-    for us, a, b, after, before in sorted(gaps, reverse=True)[:GAP_OPS]:
-        fr = []
-        for e in frames:
-            ov = min(b, e.time_range.end) - max(a, e.time_range.start)
-            if ov > 0.05 * us and e.time_range.end - e.time_range.start < 20 * us:
-                fr.append((ov, e.name[:120]))
-        inside = [e for e in ops if a <= e.time_range.start < b]
-        out.append({"us": round(us, 1), "after": after, "before": before,
-                    "frames": [{"us": round(ov, 1), "frame": n} for ov, n in sorted(fr, reverse=True)[:30]],
+    for us, a, b, after, before, _ in sorted(idle_gaps(kern), reverse=True)[:GAP_OPS]:
+        inside = sorted((e for e in ops if a <= e.time_range.start < b), key=lambda e: e.time_range.start)
+        out.append({"us": round(us, 1), "after": after, "before": before, "ops_n": len(inside),
                     "ops": [{"op": e.name[:80], "us": round(e.time_range.end - e.time_range.start, 1)}
-                            for e in sorted(inside, key=lambda e: e.time_range.start)[:30]],
-                    "ops_n": len(inside)})
+                            for e in inside[:30]]})
     return out
 
 
@@ -507,20 +503,13 @@ def profile_forward(m, inp, name):
     gaps_hist, top_gaps = {}, []
     if kern:
         # where the GPU idles: gaps between one kernel's end (the latest so far) and the next start, by size
-        ordered = sorted(kern, key=lambda e: e[1])
-        end, prev, found = ordered[0][2], ordered[0][0], []
-        for i, (nm, s0, t0) in enumerate(ordered[1:], 1):
-            if s0 > end:
-                found.append(((s0 - end) / 1e3, prev[:60], nm[:60], round(i / len(ordered), 3), end, s0))
-            if t0 >= end:
-                end, prev = t0, nm
+        found = [(us / 1e3, after, before, at) for us, _, _, after, before, at in idle_gaps(kern)]
         for lo, hi in ((0, 0.002), (0.002, 0.005), (0.005, 0.01), (0.01, 0.05), (0.05, 0.2), (0.2, 1e9)):
             sel = [g[0] for g in found if lo <= g[0] < hi]
             label = f">={lo * 1e3:g}us" if hi > 1e8 else f"{lo * 1e3:g}-{hi * 1e3:g}us"
             gaps_hist[label] = [len(sel), round(sum(sel), 3)]     # [gaps, their ms]
         top_gaps = [{"ms": round(g[0], 3), "after": g[1], "before": g[2], "at": g[3]}
                     for g in sorted(found, key=lambda g: -g[0])[:8]]
-
         iv = sorted((s, t) for _, s, t in kern)
         span = (iv[-1][1] - iv[0][0]) / 1e3
         cs, ce = iv[0]

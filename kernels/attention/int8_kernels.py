@@ -553,8 +553,7 @@ def quantize_kv(k: torch.Tensor, v: torch.Tensor, config: dict | None = None, st
         k, v, km, vm if vm is not None else km, vinv, k8, ks, vq, kp, vp, vs, hmax if hmax is not None else km,
         *k.stride(), *v.stride(), H, L, npad, kp.shape[0] if parts is not None else 0, float(max(L, 1)),
         HEAD_DIM=D, BLOCK_N=bn, PV_FP8=c["PV_FP8"], V_MEAN=c["V_MEAN"], INTERP=INTERPRET,
-        FROM_PARTS=parts is not None, V_PERM32=c["GLUON"],
-        num_warps=num_warps or (8 if c["GLUON"] and not INTERPRET else 4))
+        FROM_PARTS=parts is not None, V_PERM32=c["GLUON"], num_warps=num_warps or (8 if c["GLUON"] else 4))
     out = {"k8": k8, "ks": ks, "vq": vq, "km": km, "vm": vm, "vs": vs, "vinv": vinv, "n_kpad": npad,
            "v_perm32": c["GLUON"]}
     if hmax is not None:

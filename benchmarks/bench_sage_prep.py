@@ -6,7 +6,8 @@ GEMM and the attention kernel in a fused DiT block.
    its outputs (q8, qs, k) compared bit for bit with the first variant's (another tile layout may round the
    row's sum of squares differently).
 2. ``stats``: ``kv_partial_stats`` (k column sums, max |v| over R row ranges) for each (parts, block_l, warps), and
-   ``quantize_kv`` from those partials (it reduces them) for the Gluon kernel's layout, per parts and warps (its
+   ``quantize_kv`` from those partials (it reduces them) in the fused route's configuration (the Gluon kernel's
+   layout on Hopper: ``gluon_layout``), per parts and warps (its
    outputs with each warp count compared bit for bit: ``quantize_kv_warps_same_bits``).
 
 S rows (default 19 077 = the 960x544x124 joint tokens), 56 x 128 heads, core's rope table layout (48 rotated
@@ -35,6 +36,7 @@ from _common import cuda_median_ms, import_package  # noqa: E402
 import_package()
 from h3_turbo.kernels import fused as fk  # noqa: E402
 from h3_turbo.kernels.attention import int8_kernels as K  # noqa: E402
+from h3_turbo.runtime.fused_block import _gluon_config  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() and not DRY else "cpu"
 OUT = Path(os.environ.get("OUT", Path(__file__).resolve().parent / "results"))
@@ -115,9 +117,10 @@ def stats_part(qkv0):
     kc = qkv0[:, inner:2 * inner].view(S, HEADS, HD)
     vc = qkv0[:, 2 * inner:].view(S, HEADS, HD)
     view = lambda t: t.transpose(0, 1).unsqueeze(0)      # noqa: E731  [1, H, S, D]
-    base = K.tuned_config(DEV, S) if DEV == "cuda" else dict(K.DEFAULT_CONFIG, TMA=True, ROWSUM_MMA=True)
-    cfg = dict(base, GLUON=True, MAXNREG=None, Q_ROW=True, QPRE=True, BLOCK_M=128, num_warps=4, num_stages=2)
-    K._cfg(cfg)      # the warp-specialized Gluon kernel's configuration: its V layout (keys permuted per 32)
+    # the fused route's Gluon choice for S tokens on the tuned configuration (on Hopper the warp-specialized kernel
+    # and its V layout, keys permuted per 32: what run 2 measured; elsewhere, as under DRY, the Triton kernel's)
+    cfg = _gluon_config(K.tuned_config(DEV, S), DEV, S)
+    RES["stats"]["gluon_layout"] = bool(cfg["GLUON"])
     RES["stats"]["gb_min_stats"] = 2 * S * inner * 2 / 1e9
     RES["stats"]["gb_min_quantize_kv"] = 2 * S * inner * 3 / 1e9
     first = None

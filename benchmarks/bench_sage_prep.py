@@ -2,7 +2,8 @@
 GEMM and the attention kernel in a fused DiT block.
 
 1. ``rope``: ``qk_norm_rope_sage``'s launch as the route runs it (``SETTINGS["sage_stats"]`` "pass": q -> INT8 per
-   (row, head) + scales, k normed and rotated in place, no statistics) for each (``rope_rows``, ``rope_warps``);
+   (row, head) + scales, k normed and rotated in place, no statistics) for each (``rope_rows``, ``rope_warps``,
+   ``rope_prefetch``);
    its outputs (q8, qs, k) compared bit for bit with the first variant's (another tile layout may round the
    row's sum of squares differently).
 2. ``stats``: ``kv_partial_stats`` (k column sums, max |v| over R row ranges) for each (parts, block_l, warps), and
@@ -46,7 +47,8 @@ HEADS, HD, R2 = (3, 128, 48) if DRY else (56, 128, 48)
 RES: dict = {"env": {"rows": S, "heads": HEADS, "head_dim": HD, "rot_pairs": R2}, "rope": {}, "stats": {},
              "errors": []}
 T0 = time.perf_counter()
-ROPE = ((8, 4), (4, 2), (4, 4), (16, 4), (8, 2))
+ROPE = ((8, 4, False), (4, 2, False), (8, 4, True), (4, 2, True), (16, 4, True), (8, 8, True), (4, 4, True),
+        (2, 2, True))
 STATS = ((16, 32, 4), (16, 64, 4), (16, 16, 4), (32, 32, 4), (64, 32, 4), (32, 64, 8), (8, 64, 8), (16, 64, 8))
 QKV_WARPS = (4, 8)
 
@@ -81,10 +83,10 @@ def rope_part(qkv0, table, qw, kw):
     RES["rope"]["gb_min"] = gb
     first = None
     before = dict(fk.SETTINGS)
-    for rows, warps in ROPE:
-        tag = f"rows{rows}_warps{warps}"
+    for rows, warps, prefetch in ROPE:
+        tag = f"rows{rows}_warps{warps}" + ("_prefetch" if prefetch else "")
         try:
-            fk.SETTINGS.update(rope_rows=rows, rope_warps=warps)
+            fk.SETTINGS.update(rope_rows=rows, rope_warps=warps, rope_prefetch=prefetch)
             b = qkv0.clone()
             q8 = torch.empty(S, HEADS, HD, device=DEV, dtype=torch.int8)
             qs = torch.empty(S, HEADS, device=DEV)

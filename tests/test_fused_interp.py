@@ -311,6 +311,24 @@ def test_qk_norm_rope_sage_is_qk_norm_rope_then_int8_sage_inputs(s, heads, d, r2
         assert float((got["q8"].int() - ref["q8"].int()).abs().float().mean()) <= 2e-3   # float64-rounded q
 
 
+@pytest.mark.parametrize("s,heads,d,r2", [(37, 3, 128, 48), (5, 1, 64, 32), (19, 2, 64, 5)])
+def test_qk_norm_rope_prefetch_changes_no_bit(s, heads, d, r2, monkeypatch):
+    """SETTINGS["rope_prefetch"] (head h + 1's loads issued before head h is computed) is the same arithmetic: q / k
+    in place and the int8_sage outputs are bit-identical with it on and off, for one head and for a ragged last
+    program."""
+    qkv, table, qw, kw = _rope_inputs(s, heads, d, r2, torch.bfloat16, torch.bfloat16, seed=s)
+    outs = {}
+    for pf in (False, True):
+        monkeypatch.setitem(fk.SETTINGS, "rope_prefetch", pf)
+        a, b = qkv.clone(), qkv.clone()
+        fk.qk_norm_rope(a, heads, d, table, qw, kw, 1e-6)
+        outs[pf] = (a, b, fk.qk_norm_rope_sage(b, heads, d, table, qw, kw, 1e-6))
+    (a0, b0, g0), (a1, b1, g1) = outs[False], outs[True]
+    assert torch.equal(a0, a1) and torch.equal(b0, b1)
+    assert all(torch.equal(g0[n], g1[n]) for n in ("q8", "qs", "ksum", "vamax"))
+    assert not torch.equal(a1, qkv)
+
+
 def test_qk_norm_rope_without_the_v_copy():
     """copy_v=False: the same q / k, v returned as the qkv buffer's own (strided, untouched) columns."""
     qkv, table, qw, kw = _rope_inputs(21, 3, 64, 16, torch.bfloat16, torch.bfloat16, seed=4)

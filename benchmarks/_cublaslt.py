@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import ctypes
 import glob
+import itertools
 import os
 import threading
 
@@ -57,10 +58,9 @@ _STATE: dict = {}
 def _load() -> ctypes.CDLL:
     if "lib" in _STATE:
         return _STATE["lib"]
-    names = ["libcublasLt.so.13", "libcublasLt.so.12", "libcublasLt.so"]
-    for base in {os.path.dirname(os.path.dirname(torch.__file__))}:
-        names += sorted(glob.glob(os.path.join(base, "nvidia", "*", "lib", "libcublasLt.so*")))
-        names += sorted(glob.glob(os.path.join(base, "nvidia", "cublas", "lib", "libcublasLt.so*")))
+    site = os.path.dirname(os.path.dirname(torch.__file__))
+    names = ["libcublasLt.so.13", "libcublasLt.so.12", "libcublasLt.so",
+             *sorted(glob.glob(os.path.join(site, "nvidia", "*", "lib", "libcublasLt.so*")))]
     errs = []
     for n in names:
         try:
@@ -157,7 +157,6 @@ class _Problem:
 
     def __init__(self, m: int, n: int, k: int):
         lib = _load()
-        self.m, self.n, self.k = m, n, k
         self.desc = ctypes.c_void_p()
         _check(lib.cublasLtMatmulDescCreate(ctypes.byref(self.desc), CUBLAS_COMPUTE_32F, CUDA_R_32F),
                "cublasLtMatmulDescCreate")
@@ -206,22 +205,16 @@ def heuristics(device, m: int, n: int, k: int, count: int = 16) -> list[tuple[Al
         r = res[i]
         if r.state != 0:
             continue
-        cfg = {"waves": round(float(r.wavesCount), 3), "workspace": int(r.workspaceSize)}
-        for name, attr in ALGO_CONFIG.items():
-            v = ctypes.c_uint16(0) if name in ("inner_shape", "cluster") else ctypes.c_uint32(0)
-            w = ctypes.c_size_t(0)
-            if lib.cublasLtMatmulAlgoConfigGetAttribute(ctypes.byref(r.algo), attr, ctypes.byref(v),
-                                                        ctypes.sizeof(v), ctypes.byref(w)) == 0:
-                cfg[name] = int(v.value)
         algo = Algo()
         ctypes.memmove(ctypes.byref(algo), ctypes.byref(r.algo), ctypes.sizeof(Algo))
-        out.append((algo, cfg))
+        out.append((algo, {**config_of(algo), "waves": round(float(r.wavesCount), 3),
+                           "workspace": int(r.workspaceSize)}))
     return out
 
 
-def fp8_matmul(x8: torch.Tensor, sx: torch.Tensor, w8: torch.Tensor, sw: torch.Tensor, algo: Algo | None,
+def fp8_matmul(x8: torch.Tensor, sx: torch.Tensor, w8: torch.Tensor, sw: torch.Tensor, algo: Algo,
                out: torch.Tensor | None = None) -> torch.Tensor:
-    """``(x8 * sx) @ (w8 * sw)^T`` -> bf16 [M, N] with algorithm ``algo`` (None: the heuristic's first).
+    """``(x8 * sx) @ (w8 * sw)^T`` -> bf16 [M, N] with algorithm ``algo`` (from :func:`heuristics` / :func:`variants`).
 
     x8 e4m3 [M, K] and w8 e4m3 [N, K] contiguous, sx fp32 with M elements, sw fp32 with N elements (contiguous, any
     shape), K a multiple of 16, on one CUDA device; ``out`` bf16 [M, N] contiguous (allocated if None). Raises
@@ -247,14 +240,6 @@ def fp8_matmul(x8: torch.Tensor, sx: torch.Tensor, w8: torch.Tensor, sw: torch.T
         return out
     lib = _load()
     p = _problem(m, n, k)
-    if algo is None:
-        cand = _STATE.get(("first", m, n, k))
-        if cand is None:
-            h = heuristics(dev, m, n, k, 1)
-            if not h:
-                raise CublasLtError(f"cuBLASLt has no algorithm for M={m} N={n} K={k}")
-            cand = _STATE[("first", m, n, k)] = h[0][0]
-        algo = cand
     alpha, beta = ctypes.c_float(1.0), ctypes.c_float(0.0)
     ws = _workspace(dev)
     stream = ctypes.c_void_p(torch.cuda.current_stream(dev).cuda_stream)
@@ -273,7 +258,7 @@ def fp8_matmul(x8: torch.Tensor, sx: torch.Tensor, w8: torch.Tensor, sw: torch.T
 TILES = {20: "128x128", 23: "128x256", 24: "256x128", 29: "128x160", 30: "160x128", 31: "192x128", 32: "128x192",
          18: "128x64", 17: "64x128", 21: "256x64", 19: "64x256"}
 CLUSTERS = {0: "auto", 2: "1x1", 3: "2x1", 5: "1x2", 6: "2x2", 4: "4x1", 8: "1x4"}
-CAP_TILE_IDS, CAP_STAGES_IDS, CAP_CUSTOM_OPTION_MAX, CAP_SWIZZLING = 6, 13, 7, 2
+CAP_TILE_IDS, CAP_CUSTOM_OPTION_MAX, CAP_SWIZZLING = 6, 7, 2
 
 
 def config_of(algo: Algo) -> dict:
@@ -344,27 +329,18 @@ def variants(device, m: int, n: int, k: int, tiles=tuple(TILES), clusters=tuple(
             stages = sorted({bcfg.get("stages", 0), 0})
             cmax = max(0, _cap_int(base, CAP_CUSTOM_OPTION_MAX))
             swz = (0, 1) if _cap_int(base, CAP_SWIZZLING) else (0,)
-            for t in tiles:
-                if t not in have_tiles:
-                    continue
-                for c in clusters:
-                    for st in stages:
-                        for cu in range(min(cmax, 7) + 1):
-                            for sw in swz:
-                                a = Algo()
-                                ctypes.memmove(ctypes.byref(a), ctypes.byref(base), ctypes.sizeof(Algo))
-                                cs = lib.cublasLtMatmulAlgoConfigSetAttribute
-                                ok = True
-                                for attr, val in ((ALGO_CONFIG["tile"], ctypes.c_uint32(t)),
-                                                  (ALGO_CONFIG["cluster"], ctypes.c_uint16(c)),
-                                                  (ALGO_CONFIG["stages"], ctypes.c_uint32(st)),
-                                                  (ALGO_CONFIG["custom"], ctypes.c_uint32(cu)),
-                                                  (ALGO_CONFIG["swizzle"], ctypes.c_uint32(sw))):
-                                    ok = ok and cs(ctypes.byref(a), attr, ctypes.byref(val), ctypes.sizeof(val)) == 0
-                                if ok:
-                                    check(a, {"source": "variant"})
-                                if len(out) >= limit:
-                                    return out
+            cs = lib.cublasLtMatmulAlgoConfigSetAttribute
+            for t, c, st, cu, sw in itertools.product([t for t in tiles if t in have_tiles], clusters, stages,
+                                                      range(min(cmax, 7) + 1), swz):
+                a = Algo()
+                ctypes.memmove(ctypes.byref(a), ctypes.byref(base), ctypes.sizeof(Algo))
+                vals = ((ALGO_CONFIG["tile"], ctypes.c_uint32(t)), (ALGO_CONFIG["cluster"], ctypes.c_uint16(c)),
+                        (ALGO_CONFIG["stages"], ctypes.c_uint32(st)), (ALGO_CONFIG["custom"], ctypes.c_uint32(cu)),
+                        (ALGO_CONFIG["swizzle"], ctypes.c_uint32(sw)))
+                if all(cs(ctypes.byref(a), at, ctypes.byref(v), ctypes.sizeof(v)) == 0 for at, v in vals):
+                    check(a, {"source": "variant"})
+                if len(out) >= limit:
+                    return out
         ids = (ctypes.c_int * 128)()
         got = ctypes.c_int(0)
         if lib.cublasLtMatmulAlgoGetIds(h, CUBLAS_COMPUTE_32F, CUDA_R_32F, CUDA_R_8F_E4M3, CUDA_R_8F_E4M3, CUDA_R_16BF,

@@ -12,7 +12,9 @@ Triton kernel in the tuned Hopper configuration, on the same prequantized inputs
   (``reference_attention``: per-head cosine min / mean, relative L2).
 
 Env: OUT (folder, default benchmarks/results), TAG (default attention_gluon_h200), LENGTHS (comma list, default
-19584,37632), DRY=1 (CPU: inputs and reference only, no kernels). Saves ``$OUT/$TAG.json`` after every step.
+19584,37632), WS_STAGES (comma list of K/V slot counts of the warp-specialized form, default 2,3), NOSKIP=1 (each
+warp-specialized row also with ``int8_gluon.WS_SKIP_EMPTY`` off, ``gluon_ws<n>_noskip``: the A/B of the empty
+consumer's protocol-only path; it only differs at lengths whose last query tile has <= 64 rows), DRY=1 (CPU: inputs and reference only, no kernels). Saves ``$OUT/$TAG.json`` after every step.
 """
 from __future__ import annotations
 
@@ -39,6 +41,7 @@ TAG = os.environ.get("TAG", "attention_gluon_h200")
 LENGTHS = [int(x) for x in os.environ.get("LENGTHS", "256" if DRY else "19584,37632").split(",")]
 HEADS, HD = (4, 128) if DRY else (int(os.environ.get("HEADS", 56)), 128)
 WS_STAGES = [int(x) for x in os.environ.get("WS_STAGES", "2,3").split(",") if x]
+NOSKIP = os.environ.get("NOSKIP") == "1"
 RES: dict = {"env": {}, "steps": {}, "errors": []}
 
 
@@ -63,6 +66,8 @@ def one_length(L: int) -> dict:
             "gluon_m64": dict(tuned, GLUON=True, BLOCK_M=64, num_warps=4, MAXNREG=None)}
     for st in WS_STAGES:
         cfgs[f"gluon_ws{st}"] = dict(tuned, GLUON=True, BLOCK_M=128, num_warps=4, MAXNREG=None, num_stages=st)
+        if NOSKIP:     # the same kernel with int8_gluon.WS_SKIP_EMPTY off (an empty consumer computes masked rows)
+            cfgs[f"gluon_ws{st}_noskip"] = cfgs[f"gluon_ws{st}"]
     out["configs"] = cfgs
 
     # the K/V pre-kernel alone: plain V vs V with its keys in the Gluon kernel's order (the same codes, moved)
@@ -90,7 +95,10 @@ def one_length(L: int) -> dict:
     base_f8, base_sx = run(cfgs["triton"], True)
     out["acc_triton_bf16"] = accuracy(as_heads(base_bf16), ref)
     out["acc_triton_fp8"] = accuracy(as_heads(base_f8.float() * base_sx), ref)
+    from h3_turbo.kernels.attention import int8_gluon as G
+
     for name, c in cfgs.items():
+        G.WS_SKIP_EMPTY = not name.endswith("_noskip")
         try:
             o16 = run(c, False)[0]
             o8, sx = run(c, True)
@@ -112,6 +120,7 @@ def one_length(L: int) -> dict:
         except Exception as e:  # noqa: BLE001 - recorded, the other configurations still run
             out[f"{name}_error"] = f"{type(e).__name__}: {e}"[:2000]
             RES["errors"].append({"L": L, "config": name, "trace": traceback.format_exc()[-4000:]})
+        G.WS_SKIP_EMPTY = True
         RES["steps"][str(L)] = out
         save()
     tflop = 4 * L * L * HD * HEADS / 1e12

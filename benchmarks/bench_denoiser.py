@@ -32,7 +32,8 @@ One process, in this order (each step saves ``$OUT/$TAG.json``, so a killed run 
 
 Env: OUT, TAG (json name, default denoiser_h200), DRY=1 (CPU, tiny widths: checks the script), NB (DiT
 blocks; default 50, DRY 3), SHAPES (comma list WxHxF, default 960x544x124), FAMILIES (comma list, default
-core_bf16,core_nvfp4,ours_exact,ours_fp8), CONFIGS (comma list of configuration names to run, default all),
+core_bf16,core_nvfp4,ours_exact,ours_fp8; ``ours_fp8t``: ours_fp8 loaded with ``adaln=table``, the AdaLN rows
+looked up per timestep group instead of computed from resident weights), CONFIGS (comma list of configuration names to run, default all),
 FWD_REPS (default 1), FUSED=1 (ours_fp8 also with the fused DiT blocks: ``<name>_fused``; FUSED_SAGE=1: with their
 int8_sage producer route, ``kernels.fused.SETTINGS["sage_route"]``; 0: off; ab: both in one process, the route-on
 rows named ``<name>_fused_sage``), SETTINGS_B (a JSON dict of ``kernels.fused.SETTINGS``: every ``_fused`` row runs
@@ -139,7 +140,8 @@ def summarize():
                                                "audio": rel_l2(lt[name][1:], lt[rk][1:])}
             unf = re.sub(r"_fused(_sage|_b)?", "", name)
             alt = re.sub(r"_fused(_sage|_b)", "_fused", name)       # an A/B row against its default-settings twin
-            for other in {unf, alt} - {name}:   # the fused blocks against the same configuration unfused / A
+            res = name.replace("ours_fp8t_", "ours_fp8_", 1)          # adaln=table against resident AdaLN
+            for other in {unf, alt, res} - {name}:   # the fused blocks against the same configuration unfused / A
                 if name in fw and other in fw:
                     errs[f"forward_vs_{other}"] = {"all": rel_l2(fw[name], fw[other])}
                 if name in lt and other in lt:
@@ -500,7 +502,7 @@ def profile_forward(m, inp, name):
         p[0] += (t - s) / 1e3
         p[1] += 1
     busy, span = 0.0, 0.0
-    gaps_hist, top_gaps = {}, []
+    gaps_hist, top_gaps, phases = {}, [], {}
     if kern:
         # where the GPU idles: gaps between one kernel's end (the latest so far) and the next start, by size
         found = [(us / 1e3, after, before, at) for us, _, _, after, before, at in idle_gaps(kern)]
@@ -512,6 +514,19 @@ def profile_forward(m, inp, name):
                     for g in sorted(found, key=lambda g: -g[0])[:8]]
         iv = sorted((s, t) for _, s, t in kern)
         span = (iv[-1][1] - iv[0][0]) / 1e3
+        # the DiT blocks' part: from the first fused-block kernel to the last (before: core's prologue and the text
+        # refiner; after: the final layer), with the idle time of each part
+        fb = [(s, t) for nm, s, t in kern if "_norm_mod_kernel" in nm or "_gate_res_kernel" in nm]
+        if fb:
+            a, b = min(x[0] for x in fb), max(x[1] for x in fb)
+            gaps = idle_gaps(kern)
+            phases = {"before_blocks_ms": round((a - iv[0][0]) / 1e3, 2), "blocks_ms": round((b - a) / 1e3, 2),
+                      "after_blocks_ms": round((iv[-1][1] - b) / 1e3, 2),
+                      "idle_before_blocks_ms": round(sum(g[0] for g in gaps if g[2] <= a) / 1e3, 2),
+                      "idle_in_blocks_ms": round(sum(g[0] for g in gaps if a < g[2] <= b) / 1e3, 2),
+                      "idle_after_blocks_ms": round(sum(g[0] for g in gaps if g[2] > b) / 1e3, 2)}
+        else:
+            phases = {}
         cs, ce = iv[0]
         for s, t in iv[1:]:
             if s > ce:
@@ -530,6 +545,7 @@ def profile_forward(m, inp, name):
     top = sorted(per.items(), key=lambda kv: -kv[1][0])[:40]
     r = {"wall_ms": round(wall * 1e3, 2), "gpu_span_ms": round(span, 2), "gpu_busy_ms": round(busy, 2),
          "launch_gaps_ms": round(span - busy, 2), "kernels": len(kern), "gaps_hist": gaps_hist, "top_gaps": top_gaps,
+         "phases": phases,
          "category_ms": {k: round(v, 2) for k, v in sorted(cats.items(), key=lambda kv: -kv[1])},
          "top_kernels": [{"name": k[:160], "ms": round(v[0], 3), "calls": v[1], "category": v[2]} for k, v in top]}
     if GAP_OPS and (CUDA or DRY):
@@ -576,7 +592,10 @@ def run_config(name, m, sampler, sigmas, inp, fam_base, est):
             del o
             fts.append(dt)
         rr["forward_reps_s"] = [round(x, 4) for x in fts]
+        from h3_turbo.runtime.adaln_memo import WEIGHT_READS
+        w0 = WEIGHT_READS.counts
         wall, steps, lat = sample4(m, sampler, sigmas, inp)
+        rr["turbo4_adaln_weight_reads"] = {k: v - w0.get(k, 0) for k, v in WEIGHT_READS.counts.items()}
         LAT.setdefault(inp.key, {})[name] = lat
         rr["turbo4_s"] = round(wall, 4)
         rr["turbo4_forward_s"] = [round(x, 4) for x in steps]
@@ -605,7 +624,7 @@ def run_config(name, m, sampler, sigmas, inp, fam_base, est):
 
 def est_for(family, inp):
     """Rough seconds one configuration takes (for the deadline): 7 forwards at the family's speed."""
-    per_tok = {"core_bf16": 3.1, "core_nvfp4": 3.2, "ours_exact": 2.4, "ours_fp8": 1.9}.get(family, 3.0)
+    per_tok = {"core_bf16": 3.1, "core_nvfp4": 3.2, "ours_exact": 2.4, "ours_fp8": 1.9, "ours_fp8t": 2.6}.get(family, 3.0)
     return 7 * per_tok * (inp.shapes["video_tokens"] / 18870) ** 1.2 if CUDA else 0.0
 
 
@@ -624,7 +643,7 @@ def run_family(family, path, lname, inputs, sd_gpu, dev):
     fr = RES.setdefault("families", {}).setdefault(family, {})
     names = [f"{family}{s}" for s in ("", "_turbo4")] if family.startswith("core") else \
         [f"{family}_{a}{s}" for a in ATTN for s in ("_turbo4", "")]
-    if FUSED and family == "ours_fp8":
+    if FUSED and family in ("ours_fp8", "ours_fp8t"):
         names += [n.replace(f"_{a}", f"_{a}_fused", 1) for n in list(names) for a in ATTN if f"_{a}" in n]
         if FUSED_SAGE == "ab":
             names += [n.replace("_fused", "_fused_sage", 1) for n in names if "_int8_sage_fused" in n]
@@ -654,9 +673,11 @@ def run_family(family, path, lname, inputs, sd_gpu, dev):
     elif family == "core_nvfp4":
         base = comfy_nodes.UNETLoader().load_unet(os.path.basename(path), "default")[0]
     else:
-        compute = "reference" if DRY else family.split("_")[1]    # DRY: exact/fp8 need CUDA
-        fr["compute"] = compute
-        base = load_h3_model(path, compute)
+        table = family == "ours_fp8t"
+        compute = "reference" if DRY else "fp8" if table else family.split("_")[1]    # DRY: exact/fp8 need CUDA
+        adaln = "table" if table else "resident"
+        fr["compute"], fr["adaln"] = compute, adaln
+        base = load_h3_model(path, compute, adaln=adaln)
     sync()
     fr["load_s"] = round(time.perf_counter() - t0, 2)
     fr["patcher"] = type(base).__name__
@@ -685,7 +706,7 @@ def run_family(family, path, lname, inputs, sd_gpu, dev):
         for a in ATTN:
             variants.append((f"{family}_{a}_turbo4", nattn.H3TurboAttention.execute(tm, a).args[0]))
             variants.append((f"{family}_{a}", nattn.H3TurboAttention.execute(shifted, a).args[0]))
-        if FUSED and family == "ours_fp8":
+        if FUSED and family in ("ours_fp8", "ours_fp8t"):
             from h3_turbo.kernels import fused as fk
             from h3_turbo.runtime import fused_block
 

@@ -82,14 +82,17 @@ def schedule(spec: str) -> Schedule:
                          "(e.g. 6:12/3)") from None
 
 
-def forward_timesteps(sigma_v: float, shift_v: float, shift_a: float, cond: float | None) -> tuple[float, ...]:
+def forward_timesteps(sigma_v: float, shift_v: float, shift_a: float, cond: float | None,
+                      device=None) -> tuple[float, ...]:
     """The sorted distinct row timesteps core's H3 forward uses at video sigma ``sigma_v`` (an fp32 value, as the
     SIGMAS tensor holds it) with per-call shifts ``shift_v`` / ``shift_a`` and visual condition rows at ``cond``
     (None: no condition rows). Reproduces core's fp32 arithmetic: ``timestep = sigma * 1000`` (model_sampling),
-    ``sigma_v = timestep / 1000``, ``t_v = 1 - sigma_v``, ``t_a = 1 - time_shift_sigma(sigma_v, shift_v, shift_a)``."""
+    ``sigma_v = timestep / 1000``, ``t_v = 1 - sigma_v``, ``t_a = 1 - time_shift_sigma(sigma_v, shift_v, shift_a)``,
+    on ``device`` (default CPU): the forward's device gives the forward's bits (CUDA divides a tensor by a Python
+    scalar as a multiply by its reciprocal, so a CPU prediction can miss a CUDA forward's timestep by one ulp)."""
     from comfy.ldm.minimax.model import time_shift_sigma
 
-    ts = (torch.tensor([sigma_v], dtype=torch.float32) * 1000).float()
+    ts = (torch.tensor([sigma_v], dtype=torch.float32, device=device) * 1000).float()
     sv = (ts.flatten()[0] / 1000.0).float().clamp(min=1e-6)
     t_v = float(1.0 - sv)
     t_a = float(1.0 - time_shift_sigma(sv, shift_v, shift_a))

@@ -99,6 +99,8 @@ class Memo:
         self.computed = False
         self.cached_run = False      # the current run's schedule was read from a cache file
         self.loaded: set[str] = set()
+        self._staged: dict[str, _Staged] = {}
+        self.sampling = False        # inside a sampling run (sample_wrapper): its groups were predicted or cached
 
     def _add(self, key, blocks, final) -> int:
         start = self.rows
@@ -115,6 +117,21 @@ class Memo:
         if self._cat is None or self._cat[0] != self.rows:
             self._cat = (self.rows, [torch.cat(c, 0) for c in self.blocks], torch.cat(self.final, 0))
         return self._cat[1], self._cat[2]
+
+    def stage(self, key: tuple[int, ...], start: int, device) -> int:
+        """The slot row of group ``key`` (its memo rows ``start``...) in the device copy of ``device``, copied there
+        when it is not held (caller holds ``lock``). See :class:`_Staged`."""
+        dev = str(torch.device(device))
+        st = self._staged.get(dev)
+        if st is None:
+            blocks, final = self.tensors()
+            st = self._staged[dev] = _Staged(len(blocks), blocks[0].shape[1], final.shape[1], blocks[0].dtype,
+                                            final.dtype, torch.device(device))
+        return st.slot(key, lambda: (self.tensors(), start))
+
+    def staged(self, device) -> "_Staged":
+        """The device copy of ``device`` (:meth:`stage` made it for this forward)."""
+        return self._staged[str(torch.device(device))]
 
     def compute(self, groups: list[torch.Tensor], dtype: torch.dtype) -> list[tuple[list[torch.Tensor], torch.Tensor]]:
         """Rows of each group (fp32 timesteps, all on one device) from core's own modules, one batch per group as
@@ -153,17 +170,23 @@ class Memo:
             self.computed = True
             return len(todo)
 
-    def rows_for(self, t_vals: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    def group_of(self, t_vals: torch.Tensor, dtype: torch.dtype) -> tuple[tuple[int, ...], int]:
+        """(group key, first memo row) of a forward's timesteps, computed from the weights on first use."""
         key = A._bits(t_vals.detach().float().cpu().tolist())
         with self.lock:
             start = self.index.get(key)
             if start is None:
+                if self.sampling:
+                    log_once(("adaln-miss", self.key, key), "H3 Turbo AdaLN (adaln=table): timestep group %s was not "
+                             "predicted at sampling start; computing it from the AdaLN weights (one more pass over "
+                             "them). Later runs of this schedule read it from the cache.",
+                             torch.tensor(key, dtype=torch.int32).view(torch.float32).tolist(), level=logging.WARNING)
                 (blocks, final), = self.compute([t_vals], dtype)
                 start = self._add(key, blocks, final)
                 self.computed = True
             if key not in self.run_groups:
                 self.run_groups.append(key)
-        return torch.arange(start, start + len(key))
+        return key, start
 
     def load(self, table: A.AdaLNTable) -> int:
         """Add the groups of a cache table not stored yet; returns how many were added."""
@@ -187,6 +210,40 @@ class Memo:
             A.write_table(path, [b[idx] for b in blocks], final[idx], vals, meta)
 
 
+class _Staged:
+    """Device copies of memo groups, so that a forward's 50 block lookups are device-only (no host round trip per
+    block): one buffer per device of ``ROWS`` rows per DiT block and for the final layer, filled as a ring; a group
+    is copied in once (when first used on that device, or again after the ring overwrote it) and its slot rows are
+    what :class:`MemoTimeEmbedder` encodes. Copies and reads run in stream order, so overwriting a slot that an
+    earlier forward read is safe. ``ROWS`` = 32: at least 8 groups of up to 4 timesteps, 32 x 50 x 18 x hidden
+    elements (310 MB in bf16 at H3's width)."""
+
+    ROWS = 32
+
+    def __init__(self, n_blocks: int, width: int, final_width: int, dtype, final_dtype, device):
+        self.blocks = torch.empty(n_blocks, self.ROWS, width, dtype=dtype, device=device)
+        self.final = torch.empty(self.ROWS, final_width, dtype=final_dtype, device=device)
+        self.where: dict[tuple[int, ...], int] = {}     # group -> first slot row
+        self.next = 0
+
+    def slot(self, key: tuple[int, ...], source) -> int:
+        at = self.where.get(key)
+        if at is not None:
+            return at
+        n = len(key)
+        if n > self.ROWS:
+            raise ValueError(f"AdaLN memo: a forward with {n} distinct timesteps (at most {self.ROWS})")
+        if self.next + n > self.ROWS:
+            self.next = 0
+        at, self.next = self.next, self.next + n
+        self.where = {k: a for k, a in self.where.items() if a + len(k) <= at or a >= at + n}   # overwritten
+        (blocks, final), start = source()
+        self.blocks[:, at:at + n].copy_(torch.stack([b[start:start + n] for b in blocks]))
+        self.final[at:at + n].copy_(final[start:start + n])
+        self.where[key] = at
+        return at
+
+
 class MemoTimeEmbedder(torch.nn.Module):
     """Stands in for core's ``time_embedder``: the forward's rows in the memo (computed on first use), encoded as
     [M, 2] floats exact in any float dtype. Core casts the result to its compute dtype; the memo needs that dtype to
@@ -198,7 +255,11 @@ class MemoTimeEmbedder(torch.nn.Module):
         self._dtype_of = dtype_of
 
     def forward(self, t: torch.Tensor) -> torch.Tensor:
-        return A._encode(self.memo.rows_for(t, self._dtype_of()), t.device)
+        memo = self.memo
+        key, start = memo.group_of(t, self._dtype_of())
+        with memo.lock:
+            at = memo.stage(key, start, t.device)
+        return A._encode(torch.arange(at, at + len(key)), t.device)
 
 
 class MemoAdaLN(torch.nn.Module):
@@ -210,9 +271,9 @@ class MemoAdaLN(torch.nn.Module):
         self.expand, self.modalities, self.hidden = expand, modalities, hidden
 
     def forward(self, t_emb: torch.Tensor):
-        blocks, final = self.memo.tensors()
-        rows = final if self.index is None else blocks[self.index]
-        x = rows.index_select(0, A._decode(t_emb).cpu()).to(t_emb.device)
+        st = self.memo.staged(t_emb.device)
+        rows = st.final if self.index is None else st.blocks[self.index]
+        x = rows.index_select(0, A._decode(t_emb))      # t_emb: slot rows on this device (MemoTimeEmbedder)
         x = x.view(x.shape[0] * self.modalities, self.expand * self.hidden)
         return x.chunk(self.expand, dim=-1)
 
@@ -277,11 +338,12 @@ def cache_path(memo: Memo, sigmas: torch.Tensor, dtype: torch.dtype, device: tor
     return os.path.join(cache_dir(), memo.key, h.hexdigest()[:32] + ".safetensors")
 
 
-def predict_groups(sigmas: torch.Tensor, model_options: dict, diffusion_model) -> list[tuple[float, ...]]:
+def predict_groups(sigmas: torch.Tensor, model_options: dict, diffusion_model, device=None) -> list[tuple[float, ...]]:
     """The timestep groups core's forwards will use for ``sigmas`` with the run's shifts (``transformer_options``
     ``minimax_h3_sigma_shift_video/_audio``, else the model's), without and with visual condition rows at core's
-    0.999. A prediction only: a group it misses is computed on first use, one it adds is never looked up (samplers
-    that change the shifts per call, such as H3 Turbo Sampler's audio shift, miss some)."""
+    0.999, computed on ``device`` (the forwards' device: the same fp32 bits). A prediction only: a group it misses is
+    computed on first use, one it adds is never looked up (samplers that change the shifts per call, such as H3
+    Turbo Sampler's audio shift, miss some)."""
     to = model_options.get("transformer_options", {}) or {}
     sv = float(to.get("minimax_h3_sigma_shift_video", getattr(diffusion_model, "sigma_shift_video", 12.0)))
     sa = float(to.get("minimax_h3_sigma_shift_audio", getattr(diffusion_model, "sigma_shift_audio", 3.0)))
@@ -290,7 +352,7 @@ def predict_groups(sigmas: torch.Tensor, model_options: dict, diffusion_model) -
         if s <= 0:
             continue
         for c in (None, A.VISUAL_COND_T):
-            g = A.forward_timesteps(s, sv, sa, c)
+            g = A.forward_timesteps(s, sv, sa, c, device)
             if g not in out:
                 out.append(g)
     return out
@@ -345,11 +407,15 @@ def sample_wrapper(executor, noise, latent_image, sampler, sigmas, *args, **kwar
     # a sampler that knows its own groups (H3 Turbo Sampler) calls prefetch_groups itself
     n = 0
     if not memo.cached_run and not getattr(getattr(sampler, "sampler_function", None), PREDICTS_ATTR, False):
-        n = memo.prefetch(predict_groups(sigmas, guider.model_options, mp.model.diffusion_model), dtype, device)
+        n = memo.prefetch(predict_groups(sigmas, guider.model_options, mp.model.diffusion_model, device), dtype, device)
     if n:
         log_once(("adaln-prefetch", memo.key, n), "H3 Turbo AdaLN: computed %d timestep groups of this schedule in "
                  "one pass over the AdaLN weights", n)
-    out = executor(noise, latent_image, sampler, sigmas, *args, **kwargs)
+    memo.sampling = True
+    try:
+        out = executor(noise, latent_image, sampler, sigmas, *args, **kwargs)
+    finally:
+        memo.sampling = False
     if memo.computed and memo.run_groups:
         memo.write(path, {"model_hash": memo.key, "sigmas": sigmas.detach().float().cpu().tolist(),
                           "dtype": str(dtype), "device": torch.device(device).type,

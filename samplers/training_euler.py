@@ -454,7 +454,8 @@ def sample_h3_turbo(model, x, sigmas, extra_args=None, callback=None, disable=No
         from ..runtime import adaln as _adaln, adaln_memo
 
         adaln_memo.prefetch_groups(patcher, list(dict.fromkeys(
-            _adaln.forward_timesteps(sv[i], shift_v, _audio_shift_for_call(sv[i], sa[i], shift_v, shift_a), c)
+            _adaln.forward_timesteps(sv[i], shift_v, _audio_shift_for_call(sv[i], sa[i], shift_v, shift_a), c,
+                                     patcher.load_device)
             for i in range(len(sv) - 1) if sv[i] > 0 for c in (None, _adaln.VISUAL_COND_T))))
 
     if not bool(torch.isfinite(x).all()):

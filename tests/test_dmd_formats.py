@@ -330,3 +330,39 @@ def test_core_named_bf16_is_read_and_nvfp4_is_sent_to_the_nvfp4_loader(rel, tmp_
     save_file(sd, p)
     assert "core-named quantized MiniMax H3 (NVFP4 / ComfyUI quant formats): load it with Load H3 NVFP4" in \
         str(D.detect_dmd(p).errors[0])
+
+
+def test_adaln_memo_device_slots_serve_exact_rows_when_the_ring_wraps():
+    """adaln=table's lookups read a per-device copy of the memo rows (runtime/adaln_memo.py ``_Staged``): 12 groups
+    of 3 timesteps through a 32-row ring (it wraps and overwrites), twice and in both orders; every lookup of every
+    block and of the final layer returns exactly that group's memo rows."""
+    from h3_turbo.runtime import adaln as A
+    from h3_turbo.runtime import adaln_memo as M
+
+    hid, nb = 4, 3
+    memo = M.Memo(None, [None] * nb, None, "test")
+    g = torch.Generator().manual_seed(0)
+    groups = []
+    for j in range(12):
+        key = (j * 10, j * 10 + 1, j * 10 + 2)
+        blocks = [torch.randn(3, 18 * hid, generator=g).to(torch.bfloat16) for _ in range(nb)]
+        final = torch.randn(3, 2 * hid, generator=g).to(torch.bfloat16)
+        memo._add(key, blocks, final)
+        groups.append((key, blocks, final))
+    mods = [M.MemoAdaLN(memo, i, 6, 3, hid) for i in range(nb)]
+    fin = M.MemoAdaLN(memo, None, 2, 1, hid)
+    assert 12 * 3 > M._Staged.ROWS
+    for order in (groups, groups[::-1], groups):
+        for key, blocks, final in order:
+            with memo.lock:
+                at = memo.stage(key, memo.index[key], "cpu")
+            assert 0 <= at <= M._Staged.ROWS - 3
+            t_emb = A._encode(torch.arange(at, at + 3), "cpu").to(torch.bfloat16)     # core's .to(dtype)
+            for i, m in enumerate(mods):
+                assert torch.equal(torch.cat(m(t_emb), -1), blocks[i].reshape(9, 6 * hid))
+            assert torch.equal(torch.cat(fin(t_emb), -1), final)
+    with pytest.raises(ValueError, match="distinct timesteps"):
+        with memo.lock:
+            memo._add(tuple(range(1000, 1033)), [torch.zeros(33, 18 * hid, dtype=torch.bfloat16)] * nb,
+                      torch.zeros(33, 2 * hid, dtype=torch.bfloat16))
+            memo.stage(tuple(range(1000, 1033)), memo.index[tuple(range(1000, 1033))], "cpu")

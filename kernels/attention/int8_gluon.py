@@ -66,13 +66,15 @@ def available(device) -> str | None:
         return f"compute capability {major}.x (the kernel is written for Hopper's wgmma, 9.x)"
     return None
 
+#: the warp-specialized kernel's consumer warpgroup with no query row (the second half of a last tile of <= 64 rows)
+#: skips its MMAs and softmax and only keeps the turn / slot protocol (False: it computes masked rows, as before)
+WS_SKIP_EMPTY = True
 
 if gluon is not None:
 
     _THREAD_BARRIER = gl.constexpr(hasattr(gl, "thread_barrier"))   # Triton 3.6 (the device's); 3.8: gl.barrier
     WS_CONSUMER_REGS = gl.constexpr(240)
     WS_MAXNREG = 168     # 12 warps (3 warpgroups) x 32 x 168 <= 65 536: consumers 240, the TMA warpgroup 24
-
     @gluon.jit
     def _softmax_block(s, c, m_i, start_n, N_K, BLOCK_N: gl.constexpr, col_layout: gl.constexpr,
                        MASK: gl.constexpr):
@@ -303,9 +305,51 @@ if gluon is not None:
         """One consumer warpgroup (4 warps): query rows [pid_m * 128 + 64 WG, + 64) of head bh, all key blocks, then
         the epilogue (the 4-warp kernel's). Its wgmma issue alternates with the other consumer's through the two turn
         mbarriers (FlashAttention-3's ping-pong, arXiv:2407.08608 section 3.1: one warpgroup's softmax under the
-        other's GEMMs)."""
+        other's GEMMs). A warpgroup with no query row (``SKIP_EMPTY``) only keeps the protocol (:func:`_ws_idle`)."""
         (q_desc, k_desc, v_desc, QS, KS, VS, OUT, HMAX, SX, H, N_Q, N_K, N_KPAD, qk_scale,
-         q_smem, k_smem, v_smem, ones_smem, q_ready, k_ready, v_ready, k_empty, v_empty, turn) = args
+         q_smem, k_smem, v_smem, ones_smem, q_ready, k_ready, v_ready, k_empty, v_empty, turn, SKIP_EMPTY) = args
+        BLOCK_N: gl.constexpr = k_desc.block_type.shape[0]
+        STAGES: gl.constexpr = k_smem.type.shape[0]
+        turn_ph = 1 - WG             # a fresh mbarrier passes a wait on phase 1: warpgroup 0 issues first
+        row0 = gl.program_id(0) * 128 + WG * 64
+        if SKIP_EMPTY:
+            empty = row0 >= N_Q
+        else:
+            empty = row0 < 0
+        if empty:
+            _ws_idle(gl.cdiv(N_K, BLOCK_N), k_ready, v_ready, k_empty, v_empty, turn.index(WG), turn.index(1 - WG),
+                     turn_ph, STAGES)
+        else:
+            _ws_rows(args, WG)
+
+    @gluon.jit
+    def _ws_idle(n, k_ready, v_ready, k_empty, v_empty, my_turn, other_turn, turn_ph, STAGES: gl.constexpr):
+        """A consumer warpgroup whose 64 rows are all past the last query (the second half of a last tile of at
+        most 64 rows): no MMA and no softmax, only its part of the protocol, the same turns and slot releases in the
+        same order as :func:`_ws_rows`, so the other warpgroup and the TMA warp run as before, without waiting for
+        GEMMs of empty rows."""
+        mbarrier.wait(my_turn, turn_ph)
+        mbarrier.wait(k_ready.index(0), 0)
+        mbarrier.arrive(other_turn, count=1)
+        mbarrier.arrive(k_empty.index(0), count=1)
+        for j in range(0, n):
+            sj = j % STAGES
+            sn = (j + 1) % STAGES
+            mbarrier.wait(my_turn, turn_ph ^ ((j + 1) & 1))
+            mbarrier.wait(v_ready.index(sj), (j // STAGES) & 1)
+            if j + 1 < n:
+                mbarrier.wait(k_ready.index(sn), ((j + 1) // STAGES) & 1)
+                mbarrier.arrive(other_turn, count=1)
+                mbarrier.arrive(k_empty.index(sn), count=1)
+            else:
+                mbarrier.arrive(other_turn, count=1)
+            mbarrier.arrive(v_empty.index(sj), count=1)
+
+    @gluon.jit
+    def _ws_rows(args, WG: gl.constexpr):
+        """:func:`_ws_consumer` for a warpgroup with query rows: S_0, every key block, the epilogue."""
+        (q_desc, k_desc, v_desc, QS, KS, VS, OUT, HMAX, SX, H, N_Q, N_K, N_KPAD, qk_scale,
+         q_smem, k_smem, v_smem, ones_smem, q_ready, k_ready, v_ready, k_empty, v_empty, turn, _skip) = args
         HEAD_DIM: gl.constexpr = k_desc.block_type.shape[1]
         BLOCK_N: gl.constexpr = k_desc.block_type.shape[0]
         STAGES: gl.constexpr = k_smem.type.shape[0]
@@ -326,7 +370,7 @@ if gluon is not None:
         qw = q_smem.index(WG)
         my_turn = turn.index(WG)
         other_turn = turn.index(1 - WG)
-        turn_ph = 1 - WG             # a fresh mbarrier passes a wait on phase 1: warpgroup 0 issues first
+        turn_ph = 1 - WG
         n = gl.cdiv(N_K, BLOCK_N)
         n_full = N_K // BLOCK_N
         offs_m = pid_m * 128 + WG * BLOCK_M + gl.arange(0, BLOCK_M, layout=row_s)
@@ -377,7 +421,7 @@ if gluon is not None:
         """The TMA partition (1 warp): Q's two 64-row halves, then K_j and V_j into slot j % STAGES once both
         consumers have released it (k_empty / v_empty count 2)."""
         (q_desc, k_desc, v_desc, QS, KS, VS, OUT, HMAX, SX, H, N_Q, N_K, N_KPAD, qk_scale,
-         q_smem, k_smem, v_smem, ones_smem, q_ready, k_ready, v_ready, k_empty, v_empty, turn) = args
+         q_smem, k_smem, v_smem, ones_smem, q_ready, k_ready, v_ready, k_empty, v_empty, turn, _skip) = args
         HEAD_DIM: gl.constexpr = k_desc.block_type.shape[1]
         BLOCK_N: gl.constexpr = k_desc.block_type.shape[0]
         STAGES: gl.constexpr = k_smem.type.shape[0]
@@ -403,7 +447,7 @@ if gluon is not None:
     def _attn_fwd_gluon_ws(q_desc, k_desc, v_desc, QS, KS, VS, OUT, HMAX, SX, ONES,
                            H, N_Q, N_K, N_KPAD, qk_scale,
                            HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-                           OUT_FP8: gl.constexpr, ONES_SWIZZLE: gl.constexpr,
+                           OUT_FP8: gl.constexpr, ONES_SWIZZLE: gl.constexpr, SKIP_EMPTY: gl.constexpr,
                            num_warps: gl.constexpr):
         """128 query rows per program: two consumer warpgroups of 64 rows (the default partition and a 4-warp
         worker) sharing K/V slots that a 1-warp TMA worker fills (FlashAttention-3's warp specialization and
@@ -437,7 +481,7 @@ if gluon is not None:
         else:
             gl.barrier()
         args = (q_desc, k_desc, v_desc, QS, KS, VS, OUT, HMAX, SX, H, N_Q, N_K, N_KPAD, qk_scale,
-                q_smem, k_smem, v_smem, ones_smem, q_ready, k_ready, v_ready, k_empty, v_empty, turn)
+                q_smem, k_smem, v_smem, ones_smem, q_ready, k_ready, v_ready, k_empty, v_empty, turn, SKIP_EMPTY)
         wargs = (args,)
         gl.warp_specialize([(_ws_consumer0, wargs), (_ws_consumer1, wargs), (_ws_producer, wargs)],
                            [4, 1], [WS_CONSUMER_REGS, 24])
@@ -465,7 +509,8 @@ def launch_prequantized(q8: torch.Tensor, qs: torch.Tensor, kv: dict, out: torch
         _attn_fwd_gluon_ws[(triton.cdiv(L, 128), H)](
             q_desc, k_desc, v_desc, qs, kv["ks"], kv["vs"], out, hmax, sx, ones, H, L, L, npad, sm_log2,
             HEAD_DIM=D, BLOCK_N=bn, STAGES=c["num_stages"], OUT_FP8=fp8_scales is not None,
-            ONES_SWIZZLE=min(128, bn), num_warps=4, maxnreg=WS_MAXNREG)
+            ONES_SWIZZLE=min(128, bn), SKIP_EMPTY=WS_SKIP_EMPTY, num_warps=4,
+            maxnreg=WS_MAXNREG)
         return out
     grid = (triton.cdiv(L, bm), H)
     _attn_fwd_gluon[grid](q_desc, k_desc, v_desc, qs, kv["ks"], kv["vs"], out, hmax, sx, ones, H, L, L, npad, sm_log2,

@@ -36,8 +36,9 @@ Three parts, each saved to ``$OUT/$TAG.json`` after every step (default TAG benc
    relative L2 against float32 attention on 512 sampled query rows; ``auto8``'s choice for the shape.
 
 Env: OUT (folder), TAG, ROWS (comma list), REPS (block medians, default 5), PARTS (comma list of kernels,block,
-attention), KERNELS (comma list: part 1 runs only these kernel rows, e.g. ``norm_mod,res_norm_mod``), FP8_ATTN (0/1), COMFYUI_PATH (a ComfyUI tree; comfy-kitchen importable), DEADLINE (s: parts stop
-starting new steps after it, default 280), DRY=1 (CPU: tiny widths, Triton interpreted, timings meaningless:
+attention), KERNELS (comma list: part 1 runs only these kernel rows, e.g. ``norm_mod,res_norm_mod``), FP8_ATTN
+(0/1), COMFYUI_PATH (a ComfyUI tree; comfy-kitchen importable), DEADLINE (s: parts stop starting new steps after
+it, default 280), DRY=1 (CPU: tiny widths, Triton interpreted, timings meaningless:
 checks the script end to end).
 """
 from __future__ import annotations
@@ -201,26 +202,6 @@ def kernels_part():
             return {"rel_l2_vs_fp64": rel(deq, h64), "code_mismatch_frac": float((y8[sample].float() != q64.float()).float().mean()),
                     "scale_rel_max": float(((sy[sample] - s64) / s64).abs().max())}
 
-        def rows_sweep(out, call, bits_call=None):
-            """norm_mod's rows-per-program setting (SETTINGS norm_rows x norm_warps warps per row): time of ``call``,
-            and whether the e4m3 codes and row scales of ``bits_call`` (default ``call``; one on fresh inputs for the
-            in-place residual form) are the bits of the default launch."""
-            bits_call = bits_call or call
-            y0, s0 = bits_call()
-            saved = {k: fk.SETTINGS[k] for k in ("norm_rows", "norm_warps")}
-            for nr, nw in (((2, 2), (2, 4), (2, 8), (4, 2), (4, 4)) if CUDA else ((2, 4),)):
-                fk.SETTINGS.update(norm_rows=nr, norm_warps=nw)
-                try:
-                    out[f"ms_fused_rows{nr}_warps{nw}"] = bench(call)
-                    y1, s1 = bits_call()
-                    out[f"bits_equal_rows{nr}_warps{nw}"] = bool(torch.equal(y1.view(torch.uint8), y0.view(torch.uint8))
-                                                                 and torch.equal(s1, s0))
-                except Exception as e:  # noqa: BLE001
-                    out[f"ms_fused_rows{nr}_warps{nw}"] = f"{type(e).__name__}: {e}"[:200]
-                finally:
-                    fk.SETTINGS.update(saved)
-            return out
-
         def k_norm_mod():
             bytes_ = s * HID * (2 + 1) + 4 * s
             t_un = bench(lambda: unfused_norm_mod(x))
@@ -240,7 +221,7 @@ def kernels_part():
                     out[f"ms_fused_warps{nw}"] = f"{type(e).__name__}: {e}"[:200]
                 finally:
                     fk.SETTINGS["norm_warps"] = nw0
-            return rows_sweep(out, lambda: fk.norm_mod(x, w, 1e-5, sh, sc, rows))
+            return out
 
         def k_res_norm_mod():
             xs = [x.clone() for _ in range(2)]
@@ -259,11 +240,9 @@ def kernels_part():
             y8, sy = fk.norm_mod(x1, w, 1e-5, sh, sc, rows, residual=(o, gt))
             want = fk.gate_residual_ref(x0, o, gt, rows)
             h64, _ = fk.norm_mod_ref(want[sample], w, 1e-5, sh, sc, rows[sample])
-            out = {"ms_unfused": t_un, "ms_fused": t_fu, "speedup": t_un / t_fu, "bytes_min": bytes_,
-                   "gbps_fused": bytes_ / t_fu / 1e6, "residual_bit_identical_to_addcmul": bool(torch.equal(x1, want)),
-                   **acc_fp8(y8, sy, h64)}
-            return rows_sweep(out, lambda: fk.norm_mod(xs[1], w, 1e-5, sh, sc, rows, residual=(o, gt)),
-                              lambda: fk.norm_mod(x.clone(), w, 1e-5, sh, sc, rows, residual=(o, gt)))
+            return {"ms_unfused": t_un, "ms_fused": t_fu, "speedup": t_un / t_fu, "bytes_min": bytes_,
+                    "gbps_fused": bytes_ / t_fu / 1e6, "residual_bit_identical_to_addcmul": bool(torch.equal(x1, want)),
+                    **acc_fp8(y8, sy, h64)}
 
         def k_swiglu():
             h = mk(s, 2 * FFN, 2.0)

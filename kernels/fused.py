@@ -58,7 +58,6 @@ _ACT_DTYPES = (torch.bfloat16, torch.float16)
 #: launch settings (benchmarks/bench_fused.py sweeps them on the GPU); ``None`` entries are derived per call
 SETTINGS = {
     "norm_warps": 4,         # rows of K <= 8192 elements held in registers by one program (H200: 4 < 8 < 16)
-    "norm_rows": 1,          # rows per norm_mod program (its warps: norm_warps per row)
     "swiglu_block": 2048,    # chunk of the two-pass SwiGLU (re-reads the row from L2 for the quantization)
     "swiglu_one_pass": True,   # the whole row in registers (BLOCK = next_pow2(F)), one read (H200: 0.35 vs 0.58 ms)
     "swiglu_warps": 8,
@@ -144,80 +143,38 @@ def segment_rows(segments: Sequence[tuple[int, int, int]], m: int, device) -> to
 if triton is not None:
     @triton.jit
     def _norm_mod_kernel(x_ptr, o_ptr, g_ptr, w_ptr, sh_ptr, sc_ptr, seg_ptr, y_ptr, s_ptr,
-                         M, K, eps, stride_x, stride_o, stride_g, stride_sh, stride_sc, stride_y,
+                         K, eps, stride_x, stride_o, stride_g, stride_sh, stride_sc, stride_y,
                          HAS_RES: tl.constexpr, FP8_OUT: tl.constexpr, BLOCK: tl.constexpr,
-                         INTERP: tl.constexpr, ROWS: tl.constexpr):
+                         INTERP: tl.constexpr):
         """One row r: [x[r] = round(x[r] + o[r] * round_x(g[seg]))]; h = x[r] * rsqrt(mean(x[r]^2) + eps) * w *
         (1 + sc[seg]) + sh[seg] in fp32; y[r] = e4m3(h * 448 / amax) with s[r] = amax / 448 (FP8_OUT) or
-        y[r] = round(h) in y's dtype. ROWS > 1: ROWS rows per program as one [ROWS, BLOCK] tile."""
-        if ROWS > 1:
-            _norm_mod_rows(x_ptr, o_ptr, g_ptr, w_ptr, sh_ptr, sc_ptr, seg_ptr, y_ptr, s_ptr, M, K, eps,
-                           stride_x, stride_o, stride_g, stride_sh, stride_sc, stride_y,
-                           HAS_RES, FP8_OUT, BLOCK, INTERP, ROWS)
-        else:
-            row = tl.program_id(0).to(tl.int64)
-            seg = tl.load(seg_ptr + row).to(tl.int64)
-            offs = tl.arange(0, BLOCK)
-            m = offs < K
-            x = tl.load(x_ptr + row * stride_x + offs, mask=m, other=0.0).to(tl.float32)
-            if HAS_RES:
-                o = tl.load(o_ptr + row * stride_o + offs, mask=m, other=0.0).to(tl.float32)
-                g = _round(tl.load(g_ptr + seg * stride_g + offs, mask=m, other=0.0).to(tl.float32),
-                           x_ptr.dtype.element_ty, INTERP).to(tl.float32)
-                xn = _round(x + o * g, x_ptr.dtype.element_ty, INTERP)
-                tl.store(x_ptr + row * stride_x + offs, xn, mask=m)
-                x = xn.to(tl.float32)
-            ms = tl.sum(x * x, axis=0) / K
-            rstd = 1.0 / tl.sqrt(ms + eps)
-            w = tl.load(w_ptr + offs, mask=m, other=0.0).to(tl.float32)
-            sc = tl.load(sc_ptr + seg * stride_sc + offs, mask=m, other=0.0).to(tl.float32)
-            sh = tl.load(sh_ptr + seg * stride_sh + offs, mask=m, other=0.0).to(tl.float32)
-            h = (x * rstd) * w * (1.0 + sc) + sh
-            if FP8_OUT:
-                a = tl.max(tl.where(m, tl.abs(h), 0.0), axis=0)
-                a = tl.where(a > 0, a, 1.0)
-                q = tl.minimum(tl.maximum(h * (448.0 / a), -448.0), 448.0)
-                tl.store(y_ptr + row * stride_y + offs, _e4m3(q, y_ptr.dtype.element_ty, INTERP), mask=m)
-                tl.store(s_ptr + row, a / 448.0)
-            else:
-                tl.store(y_ptr + row * stride_y + offs, _round(h, y_ptr.dtype.element_ty, INTERP), mask=m)
-
-    @triton.jit
-    def _norm_mod_rows(x_ptr, o_ptr, g_ptr, w_ptr, sh_ptr, sc_ptr, seg_ptr, y_ptr, s_ptr, M, K, eps,
-                       stride_x, stride_o, stride_g, stride_sh, stride_sc, stride_y,
-                       HAS_RES: tl.constexpr, FP8_OUT: tl.constexpr, BLOCK: tl.constexpr, INTERP: tl.constexpr,
-                       ROWS: tl.constexpr):
-        """:func:`_norm_mod_kernel`'s arithmetic on rows [ROWS * pid, + ROWS) at once (more bytes in flight per
-        program; the norm weight read once)."""
-        r = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
-        rm = r < M
-        seg = tl.load(seg_ptr + r, mask=rm, other=0).to(tl.int64)
+        y[r] = round(h) in y's dtype."""
+        row = tl.program_id(0).to(tl.int64)
+        seg = tl.load(seg_ptr + row).to(tl.int64)
         offs = tl.arange(0, BLOCK)
         m = offs < K
-        mm = rm[:, None] & m[None, :]
-        c = offs[None, :]
-        x = tl.load(x_ptr + r[:, None] * stride_x + c, mask=mm, other=0.0).to(tl.float32)
+        x = tl.load(x_ptr + row * stride_x + offs, mask=m, other=0.0).to(tl.float32)
         if HAS_RES:
-            o = tl.load(o_ptr + r[:, None] * stride_o + c, mask=mm, other=0.0).to(tl.float32)
-            g = _round(tl.load(g_ptr + seg[:, None] * stride_g + c, mask=mm, other=0.0).to(tl.float32),
+            o = tl.load(o_ptr + row * stride_o + offs, mask=m, other=0.0).to(tl.float32)
+            g = _round(tl.load(g_ptr + seg * stride_g + offs, mask=m, other=0.0).to(tl.float32),
                        x_ptr.dtype.element_ty, INTERP).to(tl.float32)
             xn = _round(x + o * g, x_ptr.dtype.element_ty, INTERP)
-            tl.store(x_ptr + r[:, None] * stride_x + c, xn, mask=mm)
+            tl.store(x_ptr + row * stride_x + offs, xn, mask=m)
             x = xn.to(tl.float32)
-        ms = tl.sum(x * x, axis=1) / K
+        ms = tl.sum(x * x, axis=0) / K
         rstd = 1.0 / tl.sqrt(ms + eps)
         w = tl.load(w_ptr + offs, mask=m, other=0.0).to(tl.float32)
-        sc = tl.load(sc_ptr + seg[:, None] * stride_sc + c, mask=mm, other=0.0).to(tl.float32)
-        sh = tl.load(sh_ptr + seg[:, None] * stride_sh + c, mask=mm, other=0.0).to(tl.float32)
-        h = (x * rstd[:, None]) * w[None, :] * (1.0 + sc) + sh
+        sc = tl.load(sc_ptr + seg * stride_sc + offs, mask=m, other=0.0).to(tl.float32)
+        sh = tl.load(sh_ptr + seg * stride_sh + offs, mask=m, other=0.0).to(tl.float32)
+        h = (x * rstd) * w * (1.0 + sc) + sh
         if FP8_OUT:
-            a = tl.max(tl.where(mm, tl.abs(h), 0.0), axis=1)
+            a = tl.max(tl.where(m, tl.abs(h), 0.0), axis=0)
             a = tl.where(a > 0, a, 1.0)
-            q = tl.minimum(tl.maximum(h * (448.0 / a)[:, None], -448.0), 448.0)
-            tl.store(y_ptr + r[:, None] * stride_y + c, _e4m3(q, y_ptr.dtype.element_ty, INTERP), mask=mm)
-            tl.store(s_ptr + r, a / 448.0, mask=rm)
+            q = tl.minimum(tl.maximum(h * (448.0 / a), -448.0), 448.0)
+            tl.store(y_ptr + row * stride_y + offs, _e4m3(q, y_ptr.dtype.element_ty, INTERP), mask=m)
+            tl.store(s_ptr + row, a / 448.0)
         else:
-            tl.store(y_ptr + r[:, None] * stride_y + c, _round(h, y_ptr.dtype.element_ty, INTERP), mask=mm)
+            tl.store(y_ptr + row * stride_y + offs, _round(h, y_ptr.dtype.element_ty, INTERP), mask=m)
 
     @triton.jit
     def _silu_mul(g, u):
@@ -429,15 +386,11 @@ def norm_mod(x: torch.Tensor, weight: torch.Tensor, eps: float, shift: torch.Ten
         y = torch.empty((m, k), device=x.device, dtype=x.dtype)
         s = y
     if m:
-        nr = int(SETTINGS["norm_rows"])
-        if nr < 1 or nr & (nr - 1):
-            raise ValueError(f"{where}: SETTINGS['norm_rows'] = {nr}, expected a power of two")
-        _norm_mod_kernel[(triton.cdiv(m, nr),)](
-            x, other, gate, weight, shift, scale, rows, y, s, m, k, float(eps),
-            x.stride(0), other.stride(0), gate.stride(0), shift.stride(0), scale.stride(0),
-            y.stride(0), HAS_RES=residual is not None, FP8_OUT=out == "fp8",
-            BLOCK=triton.next_power_of_2(k), INTERP=INTERPRET, ROWS=nr,
-            num_warps=4 if INTERPRET else SETTINGS["norm_warps"] * nr)
+        _norm_mod_kernel[(m,)](x, other, gate, weight, shift, scale, rows, y, s, k, float(eps),
+                               x.stride(0), other.stride(0), gate.stride(0), shift.stride(0), scale.stride(0),
+                               y.stride(0), HAS_RES=residual is not None, FP8_OUT=out == "fp8",
+                               BLOCK=triton.next_power_of_2(k), INTERP=INTERPRET,
+                               num_warps=4 if INTERPRET else SETTINGS["norm_warps"])
     return (y, s) if out == "fp8" else y
 
 

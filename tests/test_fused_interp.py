@@ -108,30 +108,6 @@ def test_norm_mod_bf16_output_is_the_rounded_float64(m, k, segs):
     assert float((diff > 0).float().mean()) <= 2e-3
 
 
-@pytest.mark.parametrize("m,k,segs", CASES)
-@pytest.mark.parametrize("nrows", [2, 4])
-def test_norm_mod_rows_per_program_matches_float64(m, k, segs, nrows):
-    """SETTINGS["norm_rows"] > 1 (several rows as one tile per program): the same bounds at ragged row counts (a
-    partial last tile), the residual update bit-identical to core's addcmul_, the bf16 output the same bits as one
-    row per program (the same per-row arithmetic)."""
-    x, w, sh, sc, gate, other = _inputs(m, k, seed=11 + m)
-    rows = fk.segment_rows(segs, m, "cpu")
-    want = x.clone()
-    for a, b, r in segs:
-        want[a:b].addcmul_(other[a:b], gate[r].to(want.dtype))
-    before = fk.SETTINGS["norm_rows"]
-    fk.SETTINGS["norm_rows"] = nrows
-    try:
-        y8, sy = fk.norm_mod(x, w, 1e-5, sh, sc, rows, residual=(other, gate))
-        yb = fk.norm_mod(want, w, 1e-5, sh, sc, rows, out="bf16")
-    finally:
-        fk.SETTINGS["norm_rows"] = before
-    assert torch.equal(x.view(torch.int16), want.view(torch.int16))
-    h64, _ = fk.norm_mod_ref(want, w, 1e-5, sh, sc, rows)
-    _check_fp8(y8, sy, h64)
-    assert torch.equal(yb.view(torch.int16), fk.norm_mod(want, w, 1e-5, sh, sc, rows, out="bf16").view(torch.int16))
-
-
 @pytest.mark.parametrize("m,f", [(37, 80), (1, 16), (9, 14336 // 4), (21, 200)])
 @pytest.mark.parametrize("one_pass", [False, True])
 def test_swiglu_fp8_matches_float64(m, f, one_pass):

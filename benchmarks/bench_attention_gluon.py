@@ -14,11 +14,10 @@ Triton kernel in the tuned Hopper configuration, on the same prequantized inputs
 Env: OUT (folder, default benchmarks/results), TAG (default attention_gluon_h200), LENGTHS (comma list, default
 19584,37632), WS_STAGES (comma list of K/V slot counts of the warp-specialized form, default 2,3), NOSKIP=1 (each
 warp-specialized row also with ``int8_gluon.WS_SKIP_EMPTY`` off, ``gluon_ws<n>_noskip``: the A/B of the empty
-consumer's protocol-only path; it only differs at lengths whose last query tile has <= 64 rows), NOTAIL=1 (the same
-with ``int8_gluon.WS_TAIL_KEYS`` = 0, ``gluon_ws<n>_notail``: the last key block as a full masked block; it only
-differs at lengths whose last key block has <= 32 keys), ABAB=N (then N interleaved rounds of the warp-specialized
-variants, 10 calls each per round in a rotating order: ``abab_ms_*``, medians over the rounds), DRY=1 (CPU: inputs and reference only, no kernels). Saves
-``$OUT/$TAG.json`` after every step.
+consumer's protocol-only path; it only differs at lengths whose last query tile has <= 64 rows), ABAB=N (then N
+interleaved rounds of the warp-specialized variants, 10 calls each per round in a rotating order: ``abab_ms_*``,
+medians over the rounds), DRY=1 (CPU: inputs and reference only, no kernels). Saves ``$OUT/$TAG.json`` after every
+step.
 """
 from __future__ import annotations
 
@@ -46,7 +45,6 @@ LENGTHS = [int(x) for x in os.environ.get("LENGTHS", "256" if DRY else "19584,37
 HEADS, HD = (4, 128) if DRY else (int(os.environ.get("HEADS", 56)), 128)
 WS_STAGES = [int(x) for x in os.environ.get("WS_STAGES", "2,3").split(",") if x]
 NOSKIP = os.environ.get("NOSKIP") == "1"
-NOTAIL = os.environ.get("NOTAIL") == "1"
 ABAB = int(os.environ.get("ABAB", 0))
 RES: dict = {"env": {}, "steps": {}, "errors": []}
 
@@ -74,8 +72,6 @@ def one_length(L: int) -> dict:
         cfgs[f"gluon_ws{st}"] = dict(tuned, GLUON=True, BLOCK_M=128, num_warps=4, MAXNREG=None, num_stages=st)
         if NOSKIP:     # the same kernel with int8_gluon.WS_SKIP_EMPTY off (an empty consumer computes masked rows)
             cfgs[f"gluon_ws{st}_noskip"] = cfgs[f"gluon_ws{st}"]
-        if NOTAIL:     # the same kernel with int8_gluon.WS_TAIL_KEYS = 0 (the last key block a full masked block)
-            cfgs[f"gluon_ws{st}_notail"] = cfgs[f"gluon_ws{st}"]
     out["configs"] = cfgs
 
     # the K/V pre-kernel alone: plain V vs V with its keys in the Gluon kernel's order (the same codes, moved)
@@ -107,7 +103,6 @@ def one_length(L: int) -> dict:
 
     for name, c in cfgs.items():
         G.WS_SKIP_EMPTY = not name.endswith("_noskip")
-        G.WS_TAIL_KEYS = 0 if name.endswith("_notail") else 32
         try:
             o16 = run(c, False)[0]
             o8, sx = run(c, True)
@@ -129,7 +124,7 @@ def one_length(L: int) -> dict:
         except Exception as e:  # noqa: BLE001 - recorded, the other configurations still run
             out[f"{name}_error"] = f"{type(e).__name__}: {e}"[:2000]
             RES["errors"].append({"L": L, "config": name, "trace": traceback.format_exc()[-4000:]})
-        G.WS_SKIP_EMPTY, G.WS_TAIL_KEYS = True, 32
+        G.WS_SKIP_EMPTY = True
         RES["steps"][str(L)] = out
         save()
     if ABAB and DEV == "cuda":
@@ -140,9 +135,8 @@ def one_length(L: int) -> dict:
         for r in range(ABAB):
             for nm in names[r % len(names):] + names[:r % len(names)]:
                 G.WS_SKIP_EMPTY = not nm.endswith("_noskip")
-                G.WS_TAIL_KEYS = 0 if nm.endswith("_notail") else 32
                 times[nm].append(bench(lambda: run(cfgs[nm], True), warmup=2, rep=10))
-        G.WS_SKIP_EMPTY, G.WS_TAIL_KEYS = True, 32
+        G.WS_SKIP_EMPTY = True
         for nm, ts in times.items():
             ts = sorted(ts)
             out[f"abab_ms_{nm}_fp8"] = ts[len(ts) // 2]

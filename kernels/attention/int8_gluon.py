@@ -69,15 +69,11 @@ def available(device) -> str | None:
 #: the warp-specialized kernel's consumer warpgroup with no query row (the second half of a last tile of <= 64 rows)
 #: skips its MMAs and softmax and only keeps the turn / slot protocol (False: it computes masked rows, as before)
 WS_SKIP_EMPTY = True
-#: the warp-specialized kernel's last key block, when it holds at most 32 keys, runs as 32-wide scores (its Q K^T,
-#: softmax, P V and row sums on the first keys of the K/V slots) instead of a full masked block (32: on, 0: off)
-WS_TAIL_KEYS = 32
 
 if gluon is not None:
 
     _THREAD_BARRIER = gl.constexpr(hasattr(gl, "thread_barrier"))   # Triton 3.6 (the device's); 3.8: gl.barrier
     WS_CONSUMER_REGS = gl.constexpr(240)
-    _TAIL_W = gl.constexpr(32)       # the narrow last key block's width (a global: no constexpr passes warp_specialize)
     WS_MAXNREG = 168     # 12 warps (3 warpgroups) x 32 x 168 <= 65 536: consumers 240, the TMA warpgroup 24
     @gluon.jit
     def _softmax_block(s, c, m_i, start_n, N_K, BLOCK_N: gl.constexpr, col_layout: gl.constexpr,
@@ -280,13 +276,8 @@ if gluon is not None:
                  p_layout: gl.constexpr, MASK: gl.constexpr, LAST: gl.constexpr):
         """Key block j of a consumer warpgroup with its scores ``s`` done: the softmax of S_j and O's rescale (while the
         other warpgroup's GEMMs run), then in this warpgroup's turn P_j V_j, its row sums and (unless ``LAST``)
-        S_{j+1} = Q K_{j+1}^T issued, all waited for, the slots released. Returns (S_{j+1}, O, l, m).
-        ``s`` may cover only the first W < BLOCK_N keys of block j (the narrow last block: P V and the row sums then
-        read the first W keys of the V slot and of the ones tile), and ``s_zero`` sets the width of S_{j+1} (its
-        Q K^T reads the first rows of the K slot); ``col_s`` is the column layout of ``s``."""
-        W: gl.constexpr = s.shape[1]
-        NW: gl.constexpr = s_zero.shape[1]
-        p, alpha, m_i = _softmax_block(s, qc * gl.load(ks_ptr + j), m_i, j * BLOCK_N, N_K, W, col_s, MASK)
+        S_{j+1} = Q K_{j+1}^T issued, all waited for, the slots released. Returns (S_{j+1}, O, l, m)."""
+        p, alpha, m_i = _softmax_block(s, qc * gl.load(ks_ptr + j), m_i, j * BLOCK_N, N_K, BLOCK_N, col_s, MASK)
         p8 = _as_a_operand(p, p_layout)
         alpha_o = gl.convert_layout(alpha, row_o)
         acc = acc * gl.expand_dims(alpha_o, 1)
@@ -294,24 +285,14 @@ if gluon is not None:
         sn = (j + 1) % STAGES
         mbarrier.wait(my_turn, turn_ph ^ ((j + 1) & 1))
         mbarrier.wait(v_ready.index(sj), (j // STAGES) & 1)
-        if W < BLOCK_N:
-            v_op = v_smem.index(sj).slice(0, W, dim=1).permute((1, 0))
-            ones_op = ones_smem.slice(0, W, dim=1).permute((1, 0))
-        else:
-            v_op = v_smem.index(sj).permute((1, 0))
-            ones_op = ones_smem.permute((1, 0))
-        acc_tok = warpgroup_mma(p8, v_op, acc, is_async=True)
-        rs_tok = warpgroup_mma(p8, ones_op, rs0, use_acc=False, is_async=True)
+        acc_tok = warpgroup_mma(p8, v_smem.index(sj).permute((1, 0)), acc, is_async=True)
+        rs_tok = warpgroup_mma(p8, ones_smem.permute((1, 0)), rs0, use_acc=False, is_async=True)
         if LAST:
             mbarrier.arrive(other_turn, count=1)
             acc, rs = warpgroup_mma_wait(0, deps=[acc_tok, rs_tok])
         else:
             mbarrier.wait(k_ready.index(sn), ((j + 1) // STAGES) & 1)
-            if NW < BLOCK_N:
-                k_op = k_smem.index(sn).slice(0, NW).permute((1, 0))
-            else:
-                k_op = k_smem.index(sn).permute((1, 0))
-            s_tok = warpgroup_mma(q_smem, k_op, s_zero, use_acc=False, is_async=True)
+            s_tok = warpgroup_mma(q_smem, k_smem.index(sn).permute((1, 0)), s_zero, use_acc=False, is_async=True)
             mbarrier.arrive(other_turn, count=1)
             s, acc, rs = warpgroup_mma_wait(0, deps=[s_tok, acc_tok, rs_tok])
             mbarrier.arrive(k_empty.index(sn), count=1)
@@ -326,8 +307,7 @@ if gluon is not None:
         mbarriers (FlashAttention-3's ping-pong, arXiv:2407.08608 section 3.1: one warpgroup's softmax under the
         other's GEMMs). A warpgroup with no query row (``SKIP_EMPTY``) only keeps the protocol (:func:`_ws_idle`)."""
         (q_desc, k_desc, v_desc, QS, KS, VS, OUT, HMAX, SX, H, N_Q, N_K, N_KPAD, qk_scale,
-         q_smem, k_smem, v_smem, ones_smem, q_ready, k_ready, v_ready, k_empty, v_empty, turn, SKIP_EMPTY,
-         _tail) = args
+         q_smem, k_smem, v_smem, ones_smem, q_ready, k_ready, v_ready, k_empty, v_empty, turn, SKIP_EMPTY) = args
         BLOCK_N: gl.constexpr = k_desc.block_type.shape[0]
         STAGES: gl.constexpr = k_smem.type.shape[0]
         turn_ph = 1 - WG             # a fresh mbarrier passes a wait on phase 1: warpgroup 0 issues first
@@ -369,8 +349,7 @@ if gluon is not None:
     def _ws_rows(args, WG: gl.constexpr):
         """:func:`_ws_consumer` for a warpgroup with query rows: S_0, every key block, the epilogue."""
         (q_desc, k_desc, v_desc, QS, KS, VS, OUT, HMAX, SX, H, N_Q, N_K, N_KPAD, qk_scale,
-         q_smem, k_smem, v_smem, ones_smem, q_ready, k_ready, v_ready, k_empty, v_empty, turn, _skip,
-         TAIL_KEYS) = args
+         q_smem, k_smem, v_smem, ones_smem, q_ready, k_ready, v_ready, k_empty, v_empty, turn, _skip) = args
         HEAD_DIM: gl.constexpr = k_desc.block_type.shape[1]
         BLOCK_N: gl.constexpr = k_desc.block_type.shape[0]
         STAGES: gl.constexpr = k_smem.type.shape[0]
@@ -412,40 +391,19 @@ if gluon is not None:
         acc = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, o_layout)
         l_i = gl.zeros([BLOCK_M], gl.float32, row_o)
 
-        # ---- key blocks 0 .. n-3 (full), n-2 (full), then the last one (masked if ragged): as 32-wide scores when
-        # it holds at most 32 keys (its Q K^T, softmax, P V and row sums on the first keys of the slots)
-        tail = N_K - n_full * BLOCK_N
-        narrow = (TAIL_KEYS > 0) & (n >= 2) & (tail > 0) & (tail <= _TAIL_W)   # TAIL_KEYS: a run-time 0 / 32
-        for j in range(0, n - 2):
+        # ---- key blocks 0 .. n-2 (full), then the last one (masked if ragged)
+        for j in range(0, n - 1):
             s, acc, l_i, m_i = _ws_step(j, s, acc, l_i, m_i, qc, ks_ptr, qw, k_smem, v_smem, ones_smem, k_ready,
                                         v_ready, k_empty, v_empty, my_turn, other_turn, turn_ph, N_K, s_zero, rs0,
                                         BLOCK_N, STAGES, col_s, row_o, p_layout, False, False)
-        if narrow:
-            t_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                               instr_shape=[16, _TAIL_W, 32])
-            row_t: gl.constexpr = gl.SliceLayout(1, t_layout)
-            t_zero = gl.zeros([BLOCK_M, _TAIL_W], gl.int32, t_layout)
-            s_t, acc, l_i, m_i = _ws_step(n - 2, s, acc, l_i, m_i, qc, ks_ptr, qw, k_smem, v_smem, ones_smem, k_ready,
-                                          v_ready, k_empty, v_empty, my_turn, other_turn, turn_ph, N_K, t_zero, rs0,
-                                          BLOCK_N, STAGES, col_s, row_o, p_layout, False, False)
-            m_t = gl.convert_layout(m_i, row_t)
-            s_t, acc, l_i, m_t = _ws_step(n - 1, s_t, acc, l_i, m_t, gl.convert_layout(qc, row_t), ks_ptr, qw, k_smem,
-                                          v_smem, ones_smem, k_ready, v_ready, k_empty, v_empty, my_turn, other_turn,
-                                          turn_ph, N_K, t_zero, rs0, BLOCK_N, STAGES, gl.SliceLayout(0, t_layout),
-                                          row_o, p_layout, True, True)
+        if n_full < n:
+            s, acc, l_i, m_i = _ws_step(n - 1, s, acc, l_i, m_i, qc, ks_ptr, qw, k_smem, v_smem, ones_smem, k_ready,
+                                        v_ready, k_empty, v_empty, my_turn, other_turn, turn_ph, N_K, s_zero, rs0,
+                                        BLOCK_N, STAGES, col_s, row_o, p_layout, True, True)
         else:
-            if n >= 2:
-                s, acc, l_i, m_i = _ws_step(n - 2, s, acc, l_i, m_i, qc, ks_ptr, qw, k_smem, v_smem, ones_smem,
-                                            k_ready, v_ready, k_empty, v_empty, my_turn, other_turn, turn_ph, N_K,
-                                            s_zero, rs0, BLOCK_N, STAGES, col_s, row_o, p_layout, False, False)
-            if n_full < n:
-                s, acc, l_i, m_i = _ws_step(n - 1, s, acc, l_i, m_i, qc, ks_ptr, qw, k_smem, v_smem, ones_smem,
-                                            k_ready, v_ready, k_empty, v_empty, my_turn, other_turn, turn_ph, N_K,
-                                            s_zero, rs0, BLOCK_N, STAGES, col_s, row_o, p_layout, True, True)
-            else:
-                s, acc, l_i, m_i = _ws_step(n - 1, s, acc, l_i, m_i, qc, ks_ptr, qw, k_smem, v_smem, ones_smem,
-                                            k_ready, v_ready, k_empty, v_empty, my_turn, other_turn, turn_ph, N_K,
-                                            s_zero, rs0, BLOCK_N, STAGES, col_s, row_o, p_layout, False, True)
+            s, acc, l_i, m_i = _ws_step(n - 1, s, acc, l_i, m_i, qc, ks_ptr, qw, k_smem, v_smem, ones_smem, k_ready,
+                                        v_ready, k_empty, v_empty, my_turn, other_turn, turn_ph, N_K, s_zero, rs0,
+                                        BLOCK_N, STAGES, col_s, row_o, p_layout, False, True)
 
         # ---- epilogue (the 4-warp kernel's)
         _store_output(acc, l_i, pid_m * 128 + WG * BLOCK_M, bh, VS, OUT, HMAX, SX, H, N_Q, row_o, col_o, 0, 4)
@@ -463,8 +421,7 @@ if gluon is not None:
         """The TMA partition (1 warp): Q's two 64-row halves, then K_j and V_j into slot j % STAGES once both
         consumers have released it (k_empty / v_empty count 2)."""
         (q_desc, k_desc, v_desc, QS, KS, VS, OUT, HMAX, SX, H, N_Q, N_K, N_KPAD, qk_scale,
-         q_smem, k_smem, v_smem, ones_smem, q_ready, k_ready, v_ready, k_empty, v_empty, turn, _skip,
-         TAIL_KEYS) = args
+         q_smem, k_smem, v_smem, ones_smem, q_ready, k_ready, v_ready, k_empty, v_empty, turn, _skip) = args
         HEAD_DIM: gl.constexpr = k_desc.block_type.shape[1]
         BLOCK_N: gl.constexpr = k_desc.block_type.shape[0]
         STAGES: gl.constexpr = k_smem.type.shape[0]
@@ -491,7 +448,7 @@ if gluon is not None:
                            H, N_Q, N_K, N_KPAD, qk_scale,
                            HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
                            OUT_FP8: gl.constexpr, ONES_SWIZZLE: gl.constexpr, SKIP_EMPTY: gl.constexpr,
-                           TAIL_KEYS: gl.constexpr, num_warps: gl.constexpr):
+                           num_warps: gl.constexpr):
         """128 query rows per program: two consumer warpgroups of 64 rows (the default partition and a 4-warp
         worker) sharing K/V slots that a 1-warp TMA worker fills (FlashAttention-3's warp specialization and
         ping-pong schedule); the same per-row math, so the same bits, as :func:`_attn_fwd_gluon`."""
@@ -524,8 +481,7 @@ if gluon is not None:
         else:
             gl.barrier()
         args = (q_desc, k_desc, v_desc, QS, KS, VS, OUT, HMAX, SX, H, N_Q, N_K, N_KPAD, qk_scale,
-                q_smem, k_smem, v_smem, ones_smem, q_ready, k_ready, v_ready, k_empty, v_empty, turn, SKIP_EMPTY,
-                TAIL_KEYS)
+                q_smem, k_smem, v_smem, ones_smem, q_ready, k_ready, v_ready, k_empty, v_empty, turn, SKIP_EMPTY)
         wargs = (args,)
         gl.warp_specialize([(_ws_consumer0, wargs), (_ws_consumer1, wargs), (_ws_producer, wargs)],
                            [4, 1], [WS_CONSUMER_REGS, 24])
@@ -553,7 +509,7 @@ def launch_prequantized(q8: torch.Tensor, qs: torch.Tensor, kv: dict, out: torch
         _attn_fwd_gluon_ws[(triton.cdiv(L, 128), H)](
             q_desc, k_desc, v_desc, qs, kv["ks"], kv["vs"], out, hmax, sx, ones, H, L, L, npad, sm_log2,
             HEAD_DIM=D, BLOCK_N=bn, STAGES=c["num_stages"], OUT_FP8=fp8_scales is not None,
-            ONES_SWIZZLE=min(128, bn), SKIP_EMPTY=WS_SKIP_EMPTY, TAIL_KEYS=WS_TAIL_KEYS, num_warps=4,
+            ONES_SWIZZLE=min(128, bn), SKIP_EMPTY=WS_SKIP_EMPTY, num_warps=4,
             maxnreg=WS_MAXNREG)
         return out
     grid = (triton.cdiv(L, bm), H)

@@ -100,9 +100,11 @@ def forward_timesteps(sigma_v: float, shift_v: float, shift_a: float, cond: floa
     return tuple(torch.tensor(sorted(vals), dtype=torch.float32).tolist())
 
 
-def timestep_groups(sched: Schedule, conds=(None, VISUAL_COND_T)) -> list[tuple[float, ...]]:
+def timestep_groups(sched: Schedule, conds=(None, VISUAL_COND_T), device=None) -> list[tuple[float, ...]]:
     """The timestep groups of every forward of ``sched`` run by H3 Turbo Sigmas + H3 Turbo Sampler (its per-call
-    audio shift, ``samplers/training_euler.py``), for each condition level in ``conds``; distinct, in step order."""
+    audio shift, ``samplers/training_euler.py``), for each condition level in ``conds``; distinct, in step order.
+    ``device``: where the forwards run (:func:`forward_timesteps`: a CUDA forward's fp32 timesteps can differ from
+    the CPU's by an ulp; e.g. the 4step schedule at its steps 2-4)."""
     from ..samplers.schedules import shifted_grid
     from ..samplers.training_euler import _audio_shift_for_call
 
@@ -112,7 +114,7 @@ def timestep_groups(sched: Schedule, conds=(None, VISUAL_COND_T)) -> list[tuple[
     for c in conds:
         for i in range(sched.nfe):
             g = forward_timesteps(sv[i], sched.shift_video, _audio_shift_for_call(sv[i], sa[i], sched.shift_video,
-                                                                                  sched.shift_audio), c)
+                                                                                  sched.shift_audio), c, device)
             if g not in out:
                 out.append(g)
     return out

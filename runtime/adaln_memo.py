@@ -177,9 +177,10 @@ class Memo:
             start = self.index.get(key)
             if start is None:
                 if self.sampling:
-                    log_once(("adaln-miss", self.key, key), "H3 Turbo AdaLN (adaln=table): timestep group %s was not "
-                             "predicted at sampling start; computing it from the AdaLN weights (one more pass over "
-                             "them). Later runs of this schedule read it from the cache.",
+                    log_once(("adaln-miss", self.key, key), "H3 Turbo AdaLN (adaln=table): timestep group %s is "
+                             "neither in this schedule's cache nor among the groups predicted at sampling start; "
+                             "computing it from the AdaLN weights (one more pass over them). Later runs of this "
+                             "schedule read it from the cache.",
                              torch.tensor(key, dtype=torch.int32).view(torch.float32).tolist(), level=logging.WARNING)
                 (blocks, final), = self.compute([t_vals], dtype)
                 start = self._add(key, blocks, final)
@@ -212,17 +213,29 @@ class Memo:
 
 class _Staged:
     """Device copies of memo groups, so that a forward's 50 block lookups are device-only (no host round trip per
-    block): one buffer per device of ``ROWS`` rows per DiT block and for the final layer, filled as a ring; a group
-    is copied in once (when first used on that device, or again after the ring overwrote it) and its slot rows are
-    what :class:`MemoTimeEmbedder` encodes. Copies and reads run in stream order, so overwriting a slot that an
-    earlier forward read is safe. ``ROWS`` = 32: at least 8 groups of up to 4 timesteps, 32 x 50 x 18 x hidden
-    elements (310 MB in bf16 at H3's width)."""
+    block): one buffer per device of ``rows`` rows per DiT block and for the final layer, filled as a ring (first in,
+    first overwritten); a group is copied in once (when first used on that device, or again after the ring overwrote
+    it) and its slot rows are what :class:`MemoTimeEmbedder` encodes. Copies and reads run in stream order, so
+    overwriting a slot that an earlier forward read is safe; two forwards of one model running at once on one device
+    (ComfyUI runs one prompt at a time) could overwrite each other's rows. ``rows`` (:meth:`rows_for`): 32 on
+    devices with at least 48 GiB (8 groups of 4 timesteps; 32 x 50 x 18 x hidden elements, 310 MB in bf16 at H3's
+    width) and on the CPU, else 8 (78 MB: a 24 GB card keeps its memory; a schedule with more rows re-copies a
+    group per forward). Freed when ComfyUI unloads the model (:func:`_drop_staged_on_detach`)."""
 
     ROWS = 32
+    SMALL_ROWS = 8
+
+    @classmethod
+    def rows_for(cls, device) -> int:
+        d = torch.device(device)
+        if d.type == "cuda" and torch.cuda.get_device_properties(d).total_memory < 48 * 2**30:
+            return cls.SMALL_ROWS
+        return cls.ROWS
 
     def __init__(self, n_blocks: int, width: int, final_width: int, dtype, final_dtype, device):
-        self.blocks = torch.empty(n_blocks, self.ROWS, width, dtype=dtype, device=device)
-        self.final = torch.empty(self.ROWS, final_width, dtype=final_dtype, device=device)
+        self.rows = self.rows_for(device)
+        self.blocks = torch.empty(n_blocks, self.rows, width, dtype=dtype, device=device)
+        self.final = torch.empty(self.rows, final_width, dtype=final_dtype, device=device)
         self.where: dict[tuple[int, ...], int] = {}     # group -> first slot row
         self.next = 0
 
@@ -231,9 +244,9 @@ class _Staged:
         if at is not None:
             return at
         n = len(key)
-        if n > self.ROWS:
-            raise ValueError(f"AdaLN memo: a forward with {n} distinct timesteps (at most {self.ROWS})")
-        if self.next + n > self.ROWS:
+        if n > self.rows:
+            raise ValueError(f"AdaLN memo: a forward with {n} distinct timesteps (at most {self.rows})")
+        if self.next + n > self.rows:
             self.next = 0
         at, self.next = self.next, self.next + n
         self.where = {k: a for k, a in self.where.items() if a + len(k) <= at or a >= at + n}   # overwritten
@@ -320,7 +333,17 @@ def install(model_patcher, key: str) -> int:
     import comfy.patcher_extension as pe
 
     model_patcher.add_wrapper_with_key(pe.WrappersMP.OUTER_SAMPLE, WRAPPER_KEY, sample_wrapper)
+    model_patcher.add_callback_with_key(pe.CallbacksMP.ON_DETACH, WRAPPER_KEY, _drop_staged_on_detach)
     return n
+
+
+def _drop_staged_on_detach(patcher, unpatch_all=True) -> None:
+    """ComfyUI ``ON_DETACH``: a real unload (``unpatch_all``) frees the memo's device copies (:class:`_Staged`); the
+    rows stay in CPU memory and are copied in again at the next forward. A clone handing the model over keeps them."""
+    memo = memo_of(patcher)
+    if unpatch_all and memo is not None:
+        with memo.lock:
+            memo._staged.clear()
 
 
 def memo_of(model_patcher) -> Memo | None:
@@ -411,11 +434,12 @@ def sample_wrapper(executor, noise, latent_image, sampler, sigmas, *args, **kwar
     if n:
         log_once(("adaln-prefetch", memo.key, n), "H3 Turbo AdaLN: computed %d timestep groups of this schedule in "
                  "one pass over the AdaLN weights", n)
+    outer = memo.sampling
     memo.sampling = True
     try:
         out = executor(noise, latent_image, sampler, sigmas, *args, **kwargs)
     finally:
-        memo.sampling = False
+        memo.sampling = outer
     if memo.computed and memo.run_groups:
         memo.write(path, {"model_hash": memo.key, "sigmas": sigmas.detach().float().cpu().tolist(),
                           "dtype": str(dtype), "device": torch.device(device).type,

@@ -450,9 +450,9 @@ def sample_h3_turbo(model, x, sigmas, extra_args=None, callback=None, disable=No
             raise ValueError(f"{SAMPLER_NAME}: sigmas must lie in [0, 1] (flow matching), got {s}")
     if sv[0] == 0.0:
         return x
-    if patcher is not None:     # adaln=table: this run's AdaLN rows in one pass over the weights (docs/memory.md)
-        from ..runtime import adaln as _adaln, adaln_memo
+    from ..runtime import adaln as _adaln, adaln_memo
 
+    if patcher is not None and adaln_memo.memo_of(patcher) is not None:    # adaln=table: one pass (memory.md)
         adaln_memo.prefetch_groups(patcher, list(dict.fromkeys(
             _adaln.forward_timesteps(sv[i], shift_v, _audio_shift_for_call(sv[i], sa[i], shift_v, shift_a), c,
                                      patcher.load_device)

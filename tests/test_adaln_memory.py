@@ -239,3 +239,18 @@ def test_table_warns_once_when_a_merged_lora_patches_the_model(comfy, cache, fix
     with caplog.at_level(logging.WARNING, logger="h3_turbo"):
         comfy.run_latents(p, ("12", "13"))
     assert "adaln=table): this MODEL has" in caplog.text and "adaln=resident" in caplog.text
+
+
+def test_device_copies_of_the_rows_are_freed_when_comfyui_unloads_the_model(comfy, cache):
+    """adaln=table's per-device copy of the rows (runtime/adaln_memo.py ``_Staged``) is made by the forwards and
+    freed by ComfyUI's real unload (ON_DETACH with unpatch_all), not by a clone hand-over."""
+    import comfy.model_management as mm
+
+    from h3_turbo.runtime import adaln_memo
+
+    _sample(comfy, "table", "euler", steps=2)
+    memos = [adaln_memo.memo_of(lm.model) for lm in mm.current_loaded_models]
+    memos = [m for m in memos if m is not None]
+    assert memos and all(m._staged for m in memos), "no loaded adaln=table model with device copies"
+    mm.unload_all_models()
+    assert all(not m._staged for m in memos)

@@ -334,13 +334,15 @@ def make_adaln_table(model: str, sched_spec: str, out: str, dtype: str = "bf16",
                      progress: Callable[[int, int], None] | None = None) -> dict:
     """Compute the AdaLN table of ``model`` for the schedule ``sched_spec`` (:func:`h3_turbo.runtime.adaln.schedule`)
     and write it in the pack's format. ``dtype``: the compute dtype of the runtime it is for (``bf16`` on GPUs,
-    ``fp32`` for ComfyUI on the CPU). Needs ComfyUI importable (core's H3 modules compute the rows)."""
+    ``fp32`` for ComfyUI on the CPU); ``device``: where the rows are computed, and the device type whose forwards'
+    timesteps the groups hold (a table made on the CPU can miss a CUDA forward's timestep by an ulp: build it on the
+    device type that will run it). Needs ComfyUI importable (core's H3 modules compute the rows)."""
     from ..runtime import adaln as A
 
     ensure_comfy(device)
     dt = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[dtype]
     sched = A.schedule(sched_spec)
-    groups = A.timestep_groups(sched)
+    groups = A.timestep_groups(sched, device=device)   # the fp32 timesteps of forwards on that device
     dims, get, close, name = adaln_weight_source(model)
     try:
         blocks, final, sha = A.compute_rows(get, dims, groups, dt, device, progress)

@@ -312,7 +312,7 @@ if gluon is not None:
         STAGES: gl.constexpr = k_smem.type.shape[0]
         turn_ph = 1 - WG             # a fresh mbarrier passes a wait on phase 1: warpgroup 0 issues first
         row0 = gl.program_id(0) * 128 + WG * 64
-        if SKIP_EMPTY:
+        if SKIP_EMPTY:       # a run-time value here: constexprs do not pass through warp_specialize's arguments
             empty = row0 >= N_Q
         else:
             empty = row0 < 0

@@ -115,7 +115,9 @@ def summarize():
     rel_err_forward: against core_bf16 (same Turbo setting) when it ran, else ours_exact_exact.
     rel_err_turbo4: ours against ours_exact_exact (same sampler, same Turbo setting: the target's reference);
     core against core_bf16 when it ran, else ours_exact_exact. ``errors`` keeps every comparison, with the
-    video and audio streams apart. Ratios: to core_nvfp4 with the same Turbo setting.
+    video and audio streams apart; a fused row also against its unfused twin and its A/B twin, an ``ours_fp8t``
+    row (adaln=table) against the same ``ours_fp8`` row (resident AdaLN: 0.0 when bit-identical). Ratios: to
+    core_nvfp4 with the same Turbo setting.
     """
     for sk, rows in RES["shapes"].items():
         fw, lt = FWD.get(sk, {}), LAT.get(sk, {})

@@ -272,7 +272,7 @@ class MemoTimeEmbedder(torch.nn.Module):
         key, start = memo.group_of(t, self._dtype_of())
         with memo.lock:
             at = memo.stage(key, start, t.device)
-        return A._encode(torch.arange(at, at + len(key)), t.device)
+        return A._encode(torch.arange(at, at + len(key), device=t.device), t.device)   # made there: no host copy
 
 
 class MemoAdaLN(torch.nn.Module):

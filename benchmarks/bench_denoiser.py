@@ -507,7 +507,8 @@ def profile_forward(m, inp, name):
     gaps_hist, top_gaps, phases = {}, [], {}
     if kern:
         # where the GPU idles: gaps between one kernel's end (the latest so far) and the next start, by size
-        found = [(us / 1e3, after, before, at) for us, _, _, after, before, at in idle_gaps(kern)]
+        gaps = idle_gaps(kern)
+        found = [(us / 1e3, after, before, at) for us, _, _, after, before, at in gaps]
         for lo, hi in ((0, 0.002), (0.002, 0.005), (0.005, 0.01), (0.01, 0.05), (0.05, 0.2), (0.2, 1e9)):
             sel = [g[0] for g in found if lo <= g[0] < hi]
             label = f">={lo * 1e3:g}us" if hi > 1e8 else f"{lo * 1e3:g}-{hi * 1e3:g}us"
@@ -521,14 +522,11 @@ def profile_forward(m, inp, name):
         fb = [(s, t) for nm, s, t in kern if "_norm_mod_kernel" in nm or "_gate_res_kernel" in nm]
         if fb:
             a, b = min(x[0] for x in fb), max(x[1] for x in fb)
-            gaps = idle_gaps(kern)
             phases = {"before_blocks_ms": round((a - iv[0][0]) / 1e3, 2), "blocks_ms": round((b - a) / 1e3, 2),
                       "after_blocks_ms": round((iv[-1][1] - b) / 1e3, 2),
                       "idle_before_blocks_ms": round(sum(g[0] for g in gaps if g[2] <= a) / 1e3, 2),
                       "idle_in_blocks_ms": round(sum(g[0] for g in gaps if a < g[2] <= b) / 1e3, 2),
                       "idle_after_blocks_ms": round(sum(g[0] for g in gaps if g[2] > b) / 1e3, 2)}
-        else:
-            phases = {}
         cs, ce = iv[0]
         for s, t in iv[1:]:
             if s > ce:

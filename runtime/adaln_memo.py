@@ -99,12 +99,14 @@ class Memo:
         self.computed = False
         self.cached_run = False      # the current run's schedule was read from a cache file
         self.loaded: set[str] = set()
-        self._staged: dict[str, _Staged] = {}
+        self._chunk: dict[tuple[int, ...], int] = {}    # group -> its entry in blocks[i] / final
+        self._staged: dict[torch.device, _Staged] = {}
         self.sampling = False        # inside a sampling run (sample_wrapper): its groups were predicted or cached
 
     def _add(self, key, blocks, final) -> int:
         start = self.rows
         self.index[key] = start
+        self._chunk[key] = len(self.final)
         for i, b in enumerate(blocks):
             self.blocks[i].append(b)
         self.final.append(final)
@@ -118,20 +120,22 @@ class Memo:
             self._cat = (self.rows, [torch.cat(c, 0) for c in self.blocks], torch.cat(self.final, 0))
         return self._cat[1], self._cat[2]
 
-    def stage(self, key: tuple[int, ...], start: int, device) -> int:
-        """The slot row of group ``key`` (its memo rows ``start``...) in the device copy of ``device``, copied there
-        when it is not held (caller holds ``lock``). See :class:`_Staged`."""
-        dev = str(torch.device(device))
+    def slot(self, key: tuple[int, ...], device) -> int:
+        """The first slot row of stored group ``key`` in the device copy of ``device``, copied there from the
+        group's own rows when it is not held (caller holds ``lock``). See :class:`_Staged`."""
+        dev = torch.device(device)
+        c = self._chunk[key]
         st = self._staged.get(dev)
         if st is None:
-            blocks, final = self.tensors()
-            st = self._staged[dev] = _Staged(len(blocks), blocks[0].shape[1], final.shape[1], blocks[0].dtype,
-                                            final.dtype, torch.device(device))
-        return st.slot(key, lambda: (self.tensors(), start))
+            st = self._staged[dev] = _Staged(len(self.blocks), self.blocks[0][c], self.final[c], dev)
+        at = st.where.get(key)
+        if at is None:
+            at = st.put(key, torch.stack([b[c] for b in self.blocks]), self.final[c])
+        return at
 
     def staged(self, device) -> "_Staged":
-        """The device copy of ``device`` (:meth:`stage` made it for this forward)."""
-        return self._staged[str(torch.device(device))]
+        """The device copy of ``device`` (:meth:`slot` made it for this forward)."""
+        return self._staged[device]
 
     def compute(self, groups: list[torch.Tensor], dtype: torch.dtype) -> list[tuple[list[torch.Tensor], torch.Tensor]]:
         """Rows of each group (fp32 timesteps, all on one device) from core's own modules, one batch per group as
@@ -170,12 +174,11 @@ class Memo:
             self.computed = True
             return len(todo)
 
-    def group_of(self, t_vals: torch.Tensor, dtype: torch.dtype) -> tuple[tuple[int, ...], int]:
-        """(group key, first memo row) of a forward's timesteps, computed from the weights on first use."""
+    def group_of(self, t_vals: torch.Tensor, dtype: torch.dtype) -> tuple[int, ...]:
+        """The group key (fp32 bits) of a forward's timesteps, its rows computed from the weights on first use."""
         key = A._bits(t_vals.detach().float().cpu().tolist())
         with self.lock:
-            start = self.index.get(key)
-            if start is None:
+            if key not in self.index:
                 if self.sampling:
                     log_once(("adaln-miss", self.key, key), "H3 Turbo AdaLN (adaln=table): timestep group %s is "
                              "neither in this schedule's cache nor among the groups predicted at sampling start; "
@@ -183,11 +186,11 @@ class Memo:
                              "schedule read it from the cache.",
                              torch.tensor(key, dtype=torch.int32).view(torch.float32).tolist(), level=logging.WARNING)
                 (blocks, final), = self.compute([t_vals], dtype)
-                start = self._add(key, blocks, final)
+                self._add(key, blocks, final)
                 self.computed = True
             if key not in self.run_groups:
                 self.run_groups.append(key)
-        return key, start
+        return key
 
     def load(self, table: A.AdaLNTable) -> int:
         """Add the groups of a cache table not stored yet; returns how many were added."""
@@ -232,17 +235,17 @@ class _Staged:
             return cls.SMALL_ROWS
         return cls.ROWS
 
-    def __init__(self, n_blocks: int, width: int, final_width: int, dtype, final_dtype, device):
+    def __init__(self, n_blocks: int, block_rows: torch.Tensor, final_rows: torch.Tensor, device):
+        """Buffers shaped and typed as one group's rows (``block_rows`` [n, 18H], ``final_rows`` [n, 2H])."""
         self.rows = self.rows_for(device)
-        self.blocks = torch.empty(n_blocks, self.rows, width, dtype=dtype, device=device)
-        self.final = torch.empty(self.rows, final_width, dtype=final_dtype, device=device)
+        self.blocks = torch.empty(n_blocks, self.rows, block_rows.shape[1], dtype=block_rows.dtype, device=device)
+        self.final = torch.empty(self.rows, final_rows.shape[1], dtype=final_rows.dtype, device=device)
         self.where: dict[tuple[int, ...], int] = {}     # group -> first slot row
         self.next = 0
 
-    def slot(self, key: tuple[int, ...], source) -> int:
-        at = self.where.get(key)
-        if at is not None:
-            return at
+    def put(self, key: tuple[int, ...], blocks: torch.Tensor, final: torch.Tensor) -> int:
+        """Copy group ``key``'s rows (``blocks`` [n_blocks, n, 18H], ``final`` [n, 2H]) into the next n slot rows
+        (dropping the groups they overwrite); returns the first."""
         n = len(key)
         if n > self.rows:
             raise ValueError(f"AdaLN memo: a forward with {n} distinct timesteps (at most {self.rows})")
@@ -250,9 +253,8 @@ class _Staged:
             self.next = 0
         at, self.next = self.next, self.next + n
         self.where = {k: a for k, a in self.where.items() if a + len(k) <= at or a >= at + n}   # overwritten
-        (blocks, final), start = source()
-        self.blocks[:, at:at + n].copy_(torch.stack([b[start:start + n] for b in blocks]))
-        self.final[at:at + n].copy_(final[start:start + n])
+        self.blocks[:, at:at + n].copy_(blocks)
+        self.final[at:at + n].copy_(final)
         self.where[key] = at
         return at
 
@@ -269,9 +271,9 @@ class MemoTimeEmbedder(torch.nn.Module):
 
     def forward(self, t: torch.Tensor) -> torch.Tensor:
         memo = self.memo
-        key, start = memo.group_of(t, self._dtype_of())
+        key = memo.group_of(t, self._dtype_of())
         with memo.lock:
-            at = memo.stage(key, start, t.device)
+            at = memo.slot(key, t.device)
         return A._encode(torch.arange(at, at + len(key), device=t.device), t.device)   # made there: no host copy
 
 

@@ -355,7 +355,7 @@ def test_adaln_memo_device_slots_serve_exact_rows_when_the_ring_wraps():
     for order in (groups, groups[::-1], groups):
         for key, blocks, final in order:
             with memo.lock:
-                at = memo.stage(key, memo.index[key], "cpu")
+                at = memo.slot(key, "cpu")
             assert 0 <= at <= M._Staged.ROWS - 3
             t_emb = A._encode(torch.arange(at, at + 3), "cpu").to(torch.bfloat16)     # core's .to(dtype)
             for i, m in enumerate(mods):
@@ -365,4 +365,4 @@ def test_adaln_memo_device_slots_serve_exact_rows_when_the_ring_wraps():
         with memo.lock:
             memo._add(tuple(range(1000, 1033)), [torch.zeros(33, 18 * hid, dtype=torch.bfloat16)] * nb,
                       torch.zeros(33, 2 * hid, dtype=torch.bfloat16))
-            memo.stage(tuple(range(1000, 1033)), memo.index[tuple(range(1000, 1033))], "cpu")
+            memo.slot(tuple(range(1000, 1033)), "cpu")

@@ -66,15 +66,18 @@ def available(device) -> str | None:
         return f"compute capability {major}.x (the kernel is written for Hopper's wgmma, 9.x)"
     return None
 
+
 #: the warp-specialized kernel's consumer warpgroup with no query row (the second half of a last tile of <= 64 rows)
 #: skips its MMAs and softmax and only keeps the turn / slot protocol (False: it computes masked rows, as before)
 WS_SKIP_EMPTY = True
+
 
 if gluon is not None:
 
     _THREAD_BARRIER = gl.constexpr(hasattr(gl, "thread_barrier"))   # Triton 3.6 (the device's); 3.8: gl.barrier
     WS_CONSUMER_REGS = gl.constexpr(240)
     WS_MAXNREG = 168     # 12 warps (3 warpgroups) x 32 x 168 <= 65 536: consumers 240, the TMA warpgroup 24
+
     @gluon.jit
     def _softmax_block(s, c, m_i, start_n, N_K, BLOCK_N: gl.constexpr, col_layout: gl.constexpr,
                        MASK: gl.constexpr):

@@ -39,7 +39,8 @@ int8_sage producer route, ``kernels.fused.SETTINGS["sage_route"]``; 0: off; ab: 
 rows named ``<name>_fused_sage``), SETTINGS_B (a JSON dict of ``kernels.fused.SETTINGS``: every ``_fused`` row runs
 again, the same MODEL, with these settings as ``<name>_fused_b``, its errors also against ``<name>_fused``; an A/B in
 one process; unknown keys are refused, and it excludes FUSED_SAGE=ab), PROFILE (comma list of
-configuration names), GAP_OPS (N: each profile also lists, for its N largest GPU idle gaps, the top-level host ops that
+configuration names), HOST_PHASES (comma list of configuration names: host and GPU time at the prologue's marks,
+unprofiled, and a cProfile of the prologue's host functions, :func:`host_phases`), GAP_OPS (N: each profile also lists, for its N largest GPU idle gaps, the top-level host ops that
 started inside the gap: what the GPU waited for), DEADLINE (s since start after which no
 new configuration starts), CKPT_DIR (where the checkpoint is written), COMFY_ARGS (default --highvram on the
 GPU: offload device = GPU, so unloading a family moves nothing), PLOT=1 (write the PNG at the end),
@@ -482,6 +483,84 @@ def gap_host(m, inp) -> list:
     return out
 
 
+def host_phases(m, inp, name, reps=3):
+    """Where an unprofiled forward's host and GPU are at each mark (module hooks: the diffusion model, the text
+    refiner, the time embedder, blocks 0, 1 and the last, the final layer): host ms and GPU ms (a CUDA event recorded
+    at the mark) from the forward's start, median over ``reps`` forwards. When the GPU reaches block 0 as soon as the
+    host does, the prologue is host-bound and its host time is what the GPU waits. Then one forward under cProfile
+    from the forward's start to block 0: the host functions of the prologue by own and cumulative time."""
+    import cProfile
+    import io
+    import pstats
+
+    dm = m.model.diffusion_model
+    marks: list = []
+
+    def mk(label):
+        def hook(*a, **k):
+            e = None
+            if CUDA:
+                e = torch.cuda.Event(enable_timing=True)
+                e.record()
+            marks.append((label, time.perf_counter(), e))
+        return hook
+
+    mods = [("forward", dm), ("refiner", getattr(dm, "token_refiner", None)),
+            ("time_embedder", getattr(dm, "time_embedder", None)), ("block0", dm.blocks[0]),
+            ("block1", dm.blocks[1] if len(dm.blocks) > 1 else None), ("last_block", dm.blocks[-1]),
+            ("final_layer", getattr(dm, "final_layer", None))]
+    hs = []
+    for label, mod in mods:
+        if mod is not None:
+            hs.append(mod.register_forward_pre_hook(mk(label + ":pre")))
+            hs.append(mod.register_forward_hook(mk(label + ":post")))
+    per: dict = {}
+    try:
+        for _ in range(reps):
+            marks.clear()
+            wall, o = forward(m, inp)
+            del o
+            h0, e0 = marks[0][1], marks[0][2]
+            for label, t, e in marks:
+                d = per.setdefault(label, {"host_ms": [], "gpu_ms": []})
+                d["host_ms"].append((t - h0) * 1e3)
+                d["gpu_ms"].append(e0.elapsed_time(e) if CUDA else 0.0)
+            per.setdefault("wall", {"host_ms": [], "gpu_ms": []})["host_ms"].append(wall * 1e3)
+    finally:
+        for h in hs:
+            h.remove()
+    med = {k: {kk: round(sorted(v)[len(v) // 2], 3) for kk, v in d.items() if v} for k, d in per.items()}
+    prof = cProfile.Profile()
+    state = {"on": False}
+
+    def start(*a, **k):
+        if not state["on"]:
+            state["on"] = True
+            prof.enable()
+
+    def stop(*a, **k):
+        if state["on"]:
+            prof.disable()
+            state["on"] = False
+
+    hs = [dm.register_forward_pre_hook(start), dm.blocks[0].register_forward_pre_hook(stop)]
+    try:
+        forward(m, inp)
+    finally:
+        stop()
+        for h in hs:
+            h.remove()
+    out = {}
+    for key in ("tottime", "cumulative"):
+        buf = io.StringIO()
+        pstats.Stats(prof, stream=buf).sort_stats(key).print_stats(45)
+        out[key] = buf.getvalue()[-12000:]
+    RES.setdefault("host_phases", {}).setdefault(inp.key, {})[name] = {"marks": med, "cprofile_prologue": out}
+    b0 = med.get("block0:pre", {})
+    mark(f"host phases {name}: block0 at host {b0.get('host_ms')} ms / GPU {b0.get('gpu_ms')} ms, "
+         f"wall {med['wall']['host_ms']} ms")
+
+
 def profile_forward(m, inp, name):
     """Kernel time by category over one forward (torch profiler), and the GPU idle time inside it."""
     from torch.autograd import DeviceType
@@ -615,6 +694,8 @@ def run_config(name, m, sampler, sigmas, inp, fam_base, est):
              f"peak {rr.get('peak_gb')} GB, resident {rr.get('resident_gb')} GB")
         if name in PROFILE:
             profile_forward(m, inp, name)
+        if name in HOST_PHASES:
+            host_phases(m, inp, name)
     except Exception as e:  # noqa: BLE001
         rr["error"] = f"{type(e).__name__}: {str(e)[:800]}"
         rr["tb"] = traceback.format_exc()[-2500:]
@@ -808,6 +889,7 @@ CONFIGS = [c for c in os.environ.get("CONFIGS", "").split(",") if c]
 PROFILE = [c for c in os.environ.get("PROFILE", "").split(",") if c]
 ATTN = [a for a in os.environ.get("ATTN", "int8_sage,exact").split(",") if a]
 FWD_REPS = int(os.environ.get("FWD_REPS", 1))
+HOST_PHASES = [c for c in os.environ.get("HOST_PHASES", "").split(",") if c]   # configurations: host_phases()
 GAP_OPS = int(os.environ.get("GAP_OPS", 0))   # profiles: the host ops inside the GPU's N largest idle gaps
 FUSED = os.environ.get("FUSED") == "1"     # ours_fp8 also with the fused DiT blocks (runtime/fused_block.py)
 FUSED_SAGE = os.environ.get("FUSED_SAGE", "")   # 1 / 0: the fused blocks' int8_sage producer route on / off

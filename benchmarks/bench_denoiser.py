@@ -36,7 +36,8 @@ core_bf16,core_nvfp4,ours_exact,ours_fp8; ``ours_fp8t``: ours_fp8 loaded with ``
 looked up per timestep group instead of computed from resident weights), CONFIGS (comma list of configuration names to run, default all),
 FWD_REPS (default 1), FUSED=1 (ours_fp8 also with the fused DiT blocks: ``<name>_fused``; FUSED_SAGE=1: with their
 int8_sage producer route, ``kernels.fused.SETTINGS["sage_route"]``; 0: off; ab: both in one process, the route-on
-rows named ``<name>_fused_sage``), SETTINGS_B (a JSON dict of ``kernels.fused.SETTINGS``: every ``_fused`` row runs
+rows named ``<name>_fused_sage``), SETTINGS_B (a JSON dict of ``kernels.fused.SETTINGS``, and of ``runtime.prologue.SETTINGS`` as
+``"prologue.<key>"``: every ``_fused`` row runs
 again, the same MODEL, with these settings as ``<name>_fused_b``, its errors also against ``<name>_fused``; an A/B in
 one process; unknown keys are refused, and it excludes FUSED_SAGE=ab), PROFILE (comma list of
 configuration names), HOST_PHASES (comma list of configuration names: host and GPU time at the prologue's marks,
@@ -808,17 +809,22 @@ def run_family(family, path, lname, inputs, sd_gpu, dev):
                 fk.SETTINGS["sage_route"] = "_fused_sage" in name
             saved = None
             if SETTINGS_B and "_fused_b" in name:
-                saved = dict(fk.SETTINGS)
-                unknown = sorted(set(SETTINGS_B) - set(saved))
+                from h3_turbo.runtime import prologue
+
+                saved = (dict(fk.SETTINGS), dict(prologue.SETTINGS))
+                known = sorted(saved[0]) + [f"prologue.{k}" for k in saved[1]]
+                unknown = sorted(set(SETTINGS_B) - set(known))
                 if unknown:
-                    raise ValueError(f"SETTINGS_B: unknown kernels.fused.SETTINGS keys {unknown}; known: {sorted(saved)}")
-                fk.SETTINGS.update(SETTINGS_B)
+                    raise ValueError(f"SETTINGS_B: unknown keys {unknown}; known: {known}")
+                fk.SETTINGS.update({k: v for k, v in SETTINGS_B.items() if not k.startswith("prologue.")})
+                prologue.SETTINGS.update({k[9:]: v for k, v in SETTINGS_B.items() if k.startswith("prologue.")})
             try:
                 run_config(name, m, sampler, sigmas, inp, fam_base, est_for(family, inp))
             finally:
                 if saved is not None:
-                    fk.SETTINGS.clear()
-                    fk.SETTINGS.update(saved)
+                    for d, old in zip((fk.SETTINGS, prologue.SETTINGS), saved):
+                        d.clear()
+                        d.update(old)
     del variants, base, shifted
     drop_all()
 

@@ -36,6 +36,7 @@ from ..kernels import registry
 from ..kernels.paths import int8 as int8_path
 from ..logs import log, log_once
 from . import adaln as adaln_mod
+from . import prologue
 
 ADALN_AUTO, ADALN_NONE = "auto", "none"
 #: the TurboH3 export quantizes the 200 main-block projections (the card): the same for quantize-on-load
@@ -337,6 +338,7 @@ def load_dmd_model(path: str, adaln: str = ADALN_AUTO, compute: str = "auto", di
                                                   disable_dynamic=disable_dynamic or int8 or nvfp4)
     if mp is None:
         raise CheckpointError(weights, "ComfyUI could not detect the model type of the converted state dict")
+    prologue.install(mp)
     dm = mp.model.diffusion_model
     pbar = comfy.utils.ProgressBar(max(len(big), 1))
     done = 0

@@ -29,6 +29,7 @@ from ..formats.safetensors_io import read_header
 from ..kernels import dispatch, registry
 from ..logs import log, log_once
 from .ops import install_compute, make_operations
+from . import prologue
 
 
 def resolve_compute(requested: str, device: torch.device) -> tuple[str, str]:
@@ -207,6 +208,7 @@ def load_h3_model(path: str, compute: str = "auto", disable_dynamic: bool = Fals
     if mp is None:
         raise CheckpointError(path, "ComfyUI could not detect the model type of the converted state dict")
     mp.cached_patcher_init = (_reload, (path, compute, keep_fp32_island, adaln, weights))
+    prologue.install(mp)
     amode, areason = resolve_adaln(adaln, mp.model.diffusion_model, load_device, int(mp.model_size()))
     adaln_off = 0
     if amode == "table":

@@ -484,7 +484,7 @@ def gap_host(m, inp) -> list:
     return out
 
 
-def host_phases(m, inp, name, reps=3):
+def host_phases(m, inp, name, reps=5):
     """Where an unprofiled forward's host and GPU are at each mark (module hooks: the diffusion model, the text
     refiner, the time embedder, blocks 0, 1 and the last, the final layer): host ms and GPU ms (a CUDA event recorded
     at the mark) from the forward's start, median over ``reps`` forwards. When the GPU reaches block 0 as soon as the
@@ -515,6 +515,20 @@ def host_phases(m, inp, name, reps=3):
         if mod is not None:
             hs.append(mod.register_forward_pre_hook(mk(label + ":pre")))
             hs.append(mod.register_forward_hook(mk(label + ":post")))
+    # blocks run by a ("double_block", i) patch (the fused blocks) never call the block module: mark the patch too
+    dit = m.model_options.get("transformer_options", {}).get("patches_replace", {}).get("dit", {})
+    patched = {}
+    for i, label in ((0, "block0"), (1, "block1"), (len(dm.blocks) - 1, "last_block")):
+        fn = dit.get(("double_block", i))
+        if fn is not None:
+            patched[("double_block", i)] = fn
+
+            def marked(args, extra, _fn=fn, _label=label):
+                mk(_label + ":pre")()
+                out = _fn(args, extra)
+                mk(_label + ":post")()
+                return out
+            dit[("double_block", i)] = marked
     per: dict = {}
     try:
         for _ in range(reps):
@@ -530,6 +544,7 @@ def host_phases(m, inp, name, reps=3):
     finally:
         for h in hs:
             h.remove()
+        dit.update(patched)
     med = {k: {kk: round(sorted(v)[len(v) // 2], 3) for kk, v in d.items() if v} for k, d in per.items()}
     prof = cProfile.Profile()
     state = {"on": False}
@@ -545,17 +560,25 @@ def host_phases(m, inp, name, reps=3):
             state["on"] = False
 
     hs = [dm.register_forward_pre_hook(start), dm.blocks[0].register_forward_pre_hook(stop)]
+    first = dit.get(("double_block", 0))
+    if first is not None:
+        def stopped(args, extra):
+            stop()
+            return first(args, extra)
+        dit[("double_block", 0)] = stopped
     try:
         forward(m, inp)
     finally:
         stop()
         for h in hs:
             h.remove()
+        if first is not None:
+            dit[("double_block", 0)] = first
     out = {}
     for key in ("tottime", "cumulative"):
         buf = io.StringIO()
-        pstats.Stats(prof, stream=buf).sort_stats(key).print_stats(45)
-        out[key] = buf.getvalue()[-12000:]
+        pstats.Stats(prof, stream=buf).sort_stats(key).print_stats(70)
+        out[key] = buf.getvalue()[-16000:]
     RES.setdefault("host_phases", {}).setdefault(inp.key, {})[name] = {"marks": med, "cprofile_prologue": out}
     b0 = med.get("block0:pre", {})
     mark(f"host phases {name}: block0 at host {b0.get('host_ms')} ms / GPU {b0.get('gpu_ms')} ms, "

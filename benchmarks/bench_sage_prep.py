@@ -7,9 +7,10 @@ GEMM and the attention kernel in a fused DiT block.
    its outputs (q8, qs, k) compared bit for bit with the first variant's (another tile layout may round the
    row's sum of squares differently).
 2. ``stats``: ``kv_partial_stats`` (k column sums, max |v| over R row ranges) for each (parts, block_l, warps), and
-   ``quantize_kv`` from those partials (it reduces them) in the fused route's configuration (the Gluon kernel's
-   layout on Hopper: ``gluon_layout``), per parts and warps (its
-   outputs with each warp count compared bit for bit: ``quantize_kv_warps_same_bits``).
+   ``quantize_kv`` from those partials in the fused route's configuration (the Gluon kernel's layout on Hopper:
+   ``gluon_layout``): reduced by every key-block program, per parts and warps, and reduced once per head by a small
+   launch (``ms_quantize_kv_once``, the route's default); all outputs compared bit for bit:
+   ``quantize_kv_warps_same_bits``.
 
 S rows (default 19 077 = the 960x544x124 joint tokens), 56 x 128 heads, core's rope table layout (48 rotated
 pairs). CUDA-event medians (``_common.cuda_median_ms``, 100 calls after 10); GB/s from the bytes each pass must
@@ -140,13 +141,19 @@ def stats_part(qkv0):
                 r["vamax_equal"] = bool(torch.equal(tot[1], first[1]))
             outs = {}
             for qw_ in QKV_WARPS:
-                run = lambda: K.quantize_kv(view(kc), view(vc), cfg, parts=(ks, va), num_warps=qw_)   # noqa: E731
+                run = lambda: K.quantize_kv(view(kc), view(vc), cfg, parts=(ks, va), num_warps=qw_,  # noqa: E731
+                                            reduce_once=False)
                 r[f"ms_quantize_kv_warps{qw_}"] = bench(run)
                 outs[qw_] = run()
-            # the launch's warps change no bit (every reduction in the kernel is a max or in a fixed order)
+            # the partials reduced once per head by a small launch (the route's default) instead of per program
+            once = lambda: K.quantize_kv(view(kc), view(vc), cfg, parts=(ks, va))       # noqa: E731
+            r["ms_quantize_kv_once"] = bench(once)
+            outs["once"] = once()
+            # the launch's warps and the reduce-once launch change no bit (every reduction is a max or in a fixed order)
             bits = lambda t: t.view(torch.uint8) if t.element_size() == 1 else t      # noqa: E731  (e4m3: no equal)
             r["quantize_kv_warps_same_bits"] = all(torch.equal(bits(o[n]), bits(outs[QKV_WARPS[0]][n]))
-                                                   for o in outs.values() for n in ("k8", "ks", "vq", "km", "vinv"))
+                                                   for o in outs.values()
+                                                   for n in ("k8", "ks", "vq", "km", "vinv", "vs", "hmax"))
             RES["stats"][tag] = r
         except Exception as e:      # noqa: BLE001
             RES["errors"].append(f"stats {tag}: {type(e).__name__}: {e}")

@@ -78,6 +78,9 @@ SETTINGS = {
     # loop gets a cross-warp step)
     "sage_stats": "pass",
     "sage_stats_parts": 16,
+    # those partials reduced once per head by a small launch before quantize_kv (True) instead of by each of its
+    # key-block programs (False); the same bits (docs/kernels.md, "The statistics pass")
+    "sage_stats_once": True,
     # the route's attention kernel in Gluon (kernels/attention/int8_gluon.py: explicitly asynchronous wgmma, the same
     # output bits as the Triton kernel; docs/attention.md): "auto" (the default: where it can run, i.e. Hopper with a
     # Triton that has Gluon's Hopper module; elsewhere the Triton kernel, logged once at INFO), True (the same, a

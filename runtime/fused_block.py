@@ -464,7 +464,8 @@ def fused_forward(block, x, t_emb, mod_segments, rope_freqs, transformer_options
             v4 = qkv[:, 2 * inner:].view(s, heads, dh).transpose(0, 1).unsqueeze(0)
             fp8_out = plans["attn.out_proj"][0] != "module"
             res = _int8_kernels().sage_attention_prequantized(prep["q8"], prep["qs"], k4, v4, prep["ksum"],
-                                                              prep["vamax"], config=cfg, out_fp8=fp8_out)
+                                                              prep["vamax"], config=cfg, out_fp8=fp8_out,
+                                                              reduce_once=bool(fk.SETTINGS["sage_stats_once"]))
         except Exception as e:  # noqa: BLE001 - e.g. a Triton build failure on this GPU
             failed = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
         if failed is not None:

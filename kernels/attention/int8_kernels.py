@@ -149,6 +149,25 @@ if triton is not None:
         tl.store(VAMAX + (r * H + h) * HEAD_DIM + offs_d, tl.max(am, 0))
 
     @triton.jit
+    def _kv_stats_finish_kernel(KP, VP, KM, VINV, VS, HMAX, N_PARTS, n_f, HEAD_DIM: tl.constexpr):
+        """One (b, h): the partials [N_PARTS, B*H, D] reduced once (the same float32 ops in the same order as
+        ``_quant_kv_kernel``'s FROM_PARTS branch, so the same bits) into KM (mean of k), VS / VINV (V's e4m3 scales)
+        and HMAX (max |v| of the head)."""
+        bh = tl.program_id(0)
+        offs_d = tl.arange(0, HEAD_DIM)
+        ksum = tl.zeros([HEAD_DIM], dtype=tl.float32)
+        vamax = tl.zeros([HEAD_DIM], dtype=tl.float32)
+        for r in range(0, N_PARTS):
+            ksum += tl.load(KP + (r * tl.num_programs(0) + bh) * HEAD_DIM + offs_d)
+            vamax = tl.maximum(vamax, tl.load(VP + (r * tl.num_programs(0) + bh) * HEAD_DIM + offs_d))
+        km = tl.math.div_rn(ksum, tl.full([HEAD_DIM], n_f, tl.float32))
+        vs_p, vinv_p = _e4m3_scales(vamax)
+        tl.store(KM + bh * HEAD_DIM + offs_d, km)
+        tl.store(VINV + bh * HEAD_DIM + offs_d, vinv_p)
+        tl.store(VS + bh * HEAD_DIM + offs_d, vs_p)
+        tl.store(HMAX + bh, tl.max(vamax, 0))
+
+    @triton.jit
     def _quant_kv_kernel(K, V, KM, VM, VINV, K8, KS, VQ, KP, VP, VS, HMAX,
                          skb, skh, skn, skd, svb, svh, svn, svd,
                          H, N_K, N_KPAD, N_PARTS, n_f,
@@ -513,7 +532,7 @@ def _v_scales(amax: torch.Tensor):
 
 
 def quantize_kv(k: torch.Tensor, v: torch.Tensor, config: dict | None = None, stats=None, parts=None,
-                num_warps: int | None = None):
+                num_warps: int | None = None, reduce_once: bool = True):
     """Pre-kernel: k, v [B, H, L, D] (bf16/fp16, any strides) -> dict with ``k8`` int8 [B*H, L_pad, D]
     (smoothed, per-block of BLOCK_N keys), ``ks`` float32 [B*H, L_pad/BLOCK_N], ``vq`` (e4m3
     [B*H, D, L_pad] if PV_FP8 else bf16 [B*H, L_pad, D]; with ``GLUON`` the keys of each 32 in the order of
@@ -523,7 +542,9 @@ def quantize_kv(k: torch.Tensor, v: torch.Tensor, config: dict | None = None, st
     [R, B*H, D] (:func:`kv_partial_stats`; needs V_MEAN off and PV_FP8): the kernel reduces them itself (no torch
     op), ``vm`` is then None and the dict adds ``hmax`` float32 [B*H] (max |v| per (b, h)). ``num_warps``: the
     launch's (default 8 for the Gluon layout, 4 otherwise; the output does not depend on it: every reduction in the
-    kernel is a max or runs in a fixed order per element)."""
+    kernel is a max or runs in a fixed order per element). ``reduce_once`` (with ``parts``): the partials are reduced
+    by one small launch per call (one program per head) instead of by every key-block program; the same float32 ops
+    in the same order, so the same bits (H200, 16 partials: docs/kernels.md)."""
     c = _cfg(config)
     B, H, L, D = k.shape
     bn = c["BLOCK_N"]
@@ -549,11 +570,15 @@ def quantize_kv(k: torch.Tensor, v: torch.Tensor, config: dict | None = None, st
         vq = torch.empty(B * H, D, npad, device=k.device, dtype=torch.float8_e4m3fn)
     else:
         vq = torch.empty(B * H, npad, D, device=k.device, dtype=torch.bfloat16)
+    from_parts = parts is not None and not reduce_once
+    if parts is not None and reduce_once:
+        _kv_stats_finish_kernel[(B * H,)](kp, vp, km, vinv, vs, hmax, kp.shape[0], float(max(L, 1)), HEAD_DIM=D,
+                                          num_warps=1 if INTERPRET else 4)
     _quant_kv_kernel[(npad // bn, B * H)](
         k, v, km, vm if vm is not None else km, vinv, k8, ks, vq, kp, vp, vs, hmax if hmax is not None else km,
         *k.stride(), *v.stride(), H, L, npad, kp.shape[0] if parts is not None else 0, float(max(L, 1)),
         HEAD_DIM=D, BLOCK_N=bn, PV_FP8=c["PV_FP8"], V_MEAN=c["V_MEAN"], INTERP=INTERPRET,
-        FROM_PARTS=parts is not None, V_PERM32=c["GLUON"], num_warps=num_warps or (8 if c["GLUON"] else 4))
+        FROM_PARTS=from_parts, V_PERM32=c["GLUON"], num_warps=num_warps or (8 if c["GLUON"] else 4))
     out = {"k8": k8, "ks": ks, "vq": vq, "km": km, "vm": vm, "vs": vs, "vinv": vinv, "n_kpad": npad,
            "v_perm32": c["GLUON"]}
     if hmax is not None:
@@ -706,14 +731,15 @@ def _launch(q, q8, qs, q8_strides, nqpad, kv, out, out_layout, fp8_scales, B, H,
 
 def sage_attention_prequantized(q8: torch.Tensor, qs: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                                 ksum: torch.Tensor, vamax: torch.Tensor, scale: float | None = None,
-                                config: dict | None = None, out_fp8: bool = False):
+                                config: dict | None = None, out_fp8: bool = False, reduce_once: bool = True):
     """8-bit attention of one sequence whose Q is already quantized per row by its producer
     (:func:`h3_turbo.kernels.fused.qk_norm_rope_sage`) and whose K/V statistics it summed: the ``Q_ROW`` math of
     :func:`sage_attention` (module docstring) without the Q pre-kernel and the K/V statistics pass.
 
     q8 int8 [L, H, D] (token-major, contiguous); qs float32 [L, H] (``max|q_row| / 127`` per row and head);
     k, v [1, H, L, D] bf16/fp16 views (any strides); ksum / vamax float32 (sum of k, max |v| over the L
-    tokens) as [R, H, D] partials (:func:`kv_partial_stats`; R = 1 for whole sums), reduced inside the K/V pre-kernel; every
+    tokens) as [R, H, D] partials (:func:`kv_partial_stats`; R = 1 for whole sums), reduced by the K/V pre-kernel
+    (``reduce_once``: :func:`quantize_kv`'s, the same bits either way); every
     scale of the route is computed by the kernels (no torch op between the launches). ``scale`` > 0 (default D ** -0.5). ``config``: launch configuration (default
     :func:`tuned_config`); ``Q_ROW`` and ``QPRE`` are forced on, ``V_MEAN`` must be off and ``PV_FP8`` on.
     Returns [1, L, H*D] in k's dtype (core's layout), or with ``out_fp8`` the out_proj input of the fp8 path:
@@ -755,7 +781,7 @@ def sage_attention_prequantized(q8: torch.Tensor, qs: torch.Tensor, k: torch.Ten
         why = int8_gluon.available(k.device)
         if why is not None:
             raise NoCapablePathError(f"attention_int8.prequantized: config GLUON on {k.device}: {why}")
-    kv = quantize_kv(k, v, c, parts=(ksum, vamax))
+    kv = quantize_kv(k, v, c, parts=(ksum, vamax), reduce_once=reduce_once)
     if out_fp8:
         sx = torch.empty((L, 1), device=k.device, dtype=torch.float32)
         out = torch.empty((1, L, H * D), device=k.device, dtype=torch.float8_e4m3fn)

@@ -95,6 +95,10 @@ SETTINGS = {
                              # multiple of rope_rows; H200: 8 < 64 < 256, a longer loop per program is latency-bound)
     "gate_block": 2048,
     "gate_warps": 4,
+    # a fused block's final gated residual (x += y * gate_mlp) left to the next fused block's first producer
+    # (norm_mod(residual=...): the same arithmetic, the same bits; one pass over the stream less per block boundary;
+    # runtime/fused_block.py, docs/kernels.md)
+    "cross_block_residual": True,
 }
 MAX_ROW = 16384              # widest row norm_mod / gate_residual_ keep in registers (H3: 5376)
 

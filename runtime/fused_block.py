@@ -37,6 +37,14 @@ MODEL's attention override the pack's ``int8_sage``, the RMSNorm + RoPE launch a
 K/V statistics (``qk_norm_rope_sage``), the backend's kernel runs here (``sage_attention_prequantized``) and writes
 out_proj's e4m3 input (:func:`_sage_route`).
 
+Across a block boundary (``kernels.fused.SETTINGS["cross_block_residual"]``, on by default): when the entry core calls
+for block i + 1 is also a plain fused-block patch, block i returns x without its final gated residual and leaves
+(y, gate_mlp) to that patch, whose first producer applies it (``norm_mod(residual=...)``, the arithmetic of
+``gate_residual_``, so the same bits) while it normalizes: one read and write of the stream less per boundary. Core's
+loop (0.33 and later) hands each block's output straight to the next block's entry; a block that cannot serve the call
+applies the update first, the last block never leaves one, and a stream tensor other than the one left for is a
+RuntimeError naming the hook (never a silently missing update).
+
 The block's structure is checked once per block at install (:func:`structure_problem`): a mismatch is a
 RuntimeError naming the ComfyUI version and the hook. ComfyUI is imported lazily.
 """
@@ -206,6 +214,8 @@ class FusedBlockPatch:
         self.calls = 0
         self.delegated = 0
         self.routes: dict[str, int] = {}
+        self._pending: _Pending | None = None     # the previous block's gated residual, left for this block
+        self.deferred = 0                         # calls that left their final gated residual to the next block
 
     def __call__(self, args: dict, extra: dict):
         original = extra["original_block"]
@@ -258,10 +268,45 @@ class FusedBlockPatch:
                 return why
         return None
 
+    def _take_pending(self, x, t_emb) -> "_Pending | None":
+        """The gated residual block ``index - 1`` left for this call (None if none), taken off the patch. One left
+        by another forward (another ``t_emb`` object: that forward stopped between the two blocks, e.g. on an
+        interrupt) is dropped. A RuntimeError if it was left in this forward for another stream tensor: something
+        replaced the stream between the two blocks, so that stream lacks the update (deferral is then switched off
+        for the process)."""
+        p, self._pending = self._pending, None
+        if p is not None and p.t_emb is not t_emb:
+            log_once(("fused_pending_stale", self.index), "H3 Turbo fused block: a gated residual left by an earlier "
+                     "forward that stopped after block %d was dropped", self.index - 1)
+            return None
+        if p is not None and p.x is not x:
+            _DEFER_OFF.append(f"block {self.index} got another stream tensor than block {self.index - 1} returned")
+            raise RuntimeError(f"fused blocks: block {self.index - 1} left its gated residual to block {self.index}, "
+                               f"but block {self.index} was called with another stream tensor: something ran between "
+                               f"the two blocks (ComfyUI {core_version()}, hook {HOOK}). Deferral is now off for this "
+                               "process; run the prompt again.")
+        return p
+
+    def _next_for_defer(self, args: dict) -> "FusedBlockPatch | None":
+        """The patch of block ``index + 1`` when this call may leave its final gated residual to it
+        (``kernels.fused.SETTINGS["cross_block_residual"]``): both are plain fused-block entries (nothing chained
+        around either) and the entry core will call for block ``index + 1`` is that patch; else None."""
+        if not fk.SETTINGS["cross_block_residual"] or _DEFER_OFF or self.prev is not None:
+            return None
+        to = args.get("transformer_options") or {}
+        nxt = (to.get("patches_replace") or {}).get("dit", {}).get(("double_block", self.index + 1))
+        if isinstance(nxt, FusedBlockPatch) and nxt.prev is None and nxt.index == self.index + 1 \
+                and nxt.ops is self.ops and nxt._pending is None:
+            return nxt
+        return None
+
     def run(self, args: dict, original: Callable):
         block = self._block()
         x = args["img"]
+        pending = self._take_pending(x, args.get("t_emb"))
         why = self.blocker(block, x, args)
+        if why is None and pending is not None and pending.segments != _segments_key(args["mod_segments"]):
+            why = "the previous block's modulation segments differ"
         plans = None
         if why is None:
             plans = {}
@@ -275,6 +320,8 @@ class FusedBlockPatch:
         if why is not None:
             log_once(("fused_block", why), "H3 Turbo fused block: %s -> the block it replaced runs (core's or the "
                      "previous override)", why)
+            if pending is not None:       # the previous block's update first: the stream core's block gets is whole
+                pending.apply()
             self.delegated += 1
             return original(args)
         for name, (kind, info) in plans.items():
@@ -282,8 +329,35 @@ class FusedBlockPatch:
                 log_once(("fused_block_module", name, info), "H3 Turbo fused block: %s -> that projection gets a "
                          "bf16 input through its own forward", info)
         self.calls += 1
-        return {"img": fused_forward(block, x, args["t_emb"], args["mod_segments"], args["rope_freqs"],
-                                     args.get("transformer_options", {}), plans, self.ops, self.routes)}
+        nxt = self._next_for_defer(args)
+        out = fused_forward(block, x, args["t_emb"], args["mod_segments"], args["rope_freqs"],
+                            args.get("transformer_options", {}), plans, self.ops, self.routes, pending=pending,
+                            defer_to=nxt)
+        if nxt is not None and nxt._pending is not None:
+            self.deferred += 1
+        return {"img": out}
+
+
+class _Pending:
+    """A block's final gated residual ``x += y * gate[rows]`` left for the next block's first producer
+    (``norm_mod(residual=(y, gate))``: the same arithmetic, so the same bits, one pass over the stream less)."""
+
+    __slots__ = ("x", "y", "gate", "rows", "segments", "ops", "t_emb")
+
+    def __init__(self, x, y, gate, rows, segments, ops, t_emb):
+        self.x, self.y, self.gate, self.rows, self.segments, self.ops = x, y, gate, rows, segments, ops
+        self.t_emb = t_emb        # the forward it belongs to (core makes t_emb once per forward)
+
+    def apply(self) -> None:
+        self.ops.gate_residual_(self.x, self.y, self.gate, self.rows)
+
+
+#: why leaving a block's gated residual to the next block is off in this process (empty: it is on)
+_DEFER_OFF: list[str] = []
+
+
+def _segments_key(mod_segments) -> tuple:
+    return tuple((int(a), int(b), int(r)) for a, b, r in mod_segments)
 
 
 # --------------------------------------------------------------------------- the fused forward
@@ -427,8 +501,12 @@ def _attention_wrapper(attn) -> Callable:
     return lambda t: t
 
 
-def fused_forward(block, x, t_emb, mod_segments, rope_freqs, transformer_options, plans, ops, routes=None):
-    """The fused block's forward (module docstring); x [S, hidden] is updated in place and returned."""
+def fused_forward(block, x, t_emb, mod_segments, rope_freqs, transformer_options, plans, ops, routes=None,
+                  pending: _Pending | None = None, defer_to: FusedBlockPatch | None = None):
+    """The fused block's forward (module docstring); x [S, hidden] is updated in place and returned. ``pending``: the
+    previous block's final gated residual, applied by this block's first producer (``norm_mod(residual=...)``);
+    ``defer_to``: the next block's patch, which gets this block's final gated residual instead of
+    ``gate_residual_`` here (x is then returned without it)."""
     import comfy.model_management as mm
     import comfy.ops
     from comfy.ldm.modules.attention import optimized_attention
@@ -443,10 +521,23 @@ def fused_forward(block, x, t_emb, mod_segments, rope_freqs, transformer_options
     w1, w2 = _weight(n1, x), _weight(n2, x)
     e1, e2 = _eps(n1, x), _eps(n2, x)
 
-    # attention: norm1 + modulation -> qkv
-    qkv = _project(at.qkv_proj, plans["attn.qkv_proj"],
-                   lambda: ops.norm_mod(x, w1, e1, shift_msa, scale_msa, rows),
-                   lambda: ops.norm_mod(x, w1, e1, shift_msa, scale_msa, rows, out="bf16"), x, ops, routes)
+    # attention: [the previous block's gated residual +] norm1 + modulation -> qkv
+    res0 = None if pending is None else (pending.y, pending.gate)
+    done0 = []
+
+    def qkv_fp8():
+        done0.append(1)
+        return ops.norm_mod(x, w1, e1, shift_msa, scale_msa, rows, residual=res0)
+
+    def qkv_bf16():
+        done0.append(1)
+        return ops.norm_mod(x, w1, e1, shift_msa, scale_msa, rows, out="bf16", residual=res0)
+
+    qkv = _project(at.qkv_proj, plans["attn.qkv_proj"], qkv_fp8, qkv_bf16, x, ops, routes)
+    if pending is not None and not done0:
+        raise RuntimeError("fused block: the qkv producer did not run (the previous block's gated residual was not "
+                           "applied)")
+    pending = res0 = None
     heads, dh = int(at.heads), int(at.head_dim)
     inner = heads * dh
     qw = mm.cast_to(at.q_norm.weight, device=x.device)
@@ -485,7 +576,9 @@ def fused_forward(block, x, t_emb, mod_segments, rope_freqs, transformer_options
             qkv = prep = k4 = v4 = None
             routes.clear()
             routes.update(routes_before)
-            return fused_forward(block, x, t_emb, mod_segments, rope_freqs, transformer_options, plans, ops, routes)
+            # x holds the previous block's gated residual now (applied by the qkv producer): not passed again
+            return fused_forward(block, x, t_emb, mod_segments, rope_freqs, transformer_options, plans, ops, routes,
+                                 defer_to=defer_to)
         override.calls += 1
         routes["sage"] = routes.get("sage", 0) + 1
         del qkv, prep, k4, v4
@@ -532,7 +625,10 @@ def fused_forward(block, x, t_emb, mod_segments, rope_freqs, transformer_options
     y2 = _project(mlp.fc2, plans["mlp.fc2"], lambda: ops.swiglu(hmid),
                   lambda: comfy.ops.INPUT_ACT_EAGER["swiglu"](hmid), x, ops, routes)
     del hmid
-    ops.gate_residual_(x, y2, gate_mlp, rows)
+    if defer_to is not None:
+        defer_to._pending = _Pending(x, y2, gate_mlp, rows, _segments_key(mod_segments), ops, t_emb)
+    else:
+        ops.gate_residual_(x, y2, gate_mlp, rows)
     return x
 
 

@@ -211,6 +211,79 @@ def test_fused_block_without_the_v_copy_is_the_same_block(fp8_model, monkeypatch
     assert torch.equal(got, want)
 
 
+def _two_blocks(mp, defer: bool, monkeypatch, p4_devices=("cpu",)):
+    """Blocks 3 and 4 as core's loop runs them: fused-block patches at ("double_block", 3 / 4) of the call's
+    transformer_options, block 3's output handed to block 4's entry. Returns (patches, block 3's output as returned,
+    block 4's output)."""
+    from h3_turbo.runtime import fused_block as fb
+
+    b3, args = _block_args(mp, 3)
+    b4, _ = _block_args(mp, 4)
+    monkeypatch.setitem(fk.SETTINGS, "cross_block_residual", defer)
+    p3 = fb.FusedBlockPatch(b3, 3, ops=fk.EAGER, devices=("cpu",))
+    p4 = fb.FusedBlockPatch(b4, 4, ops=fk.EAGER, devices=p4_devices)
+    to = {"patches_replace": {"dit": {("double_block", 3): p3, ("double_block", 4): p4}}}
+    a = dict(args, transformer_options=to)          # a["img"]: block 3's input (the blocks update a clone in place)
+    with torch.no_grad():
+        y = p3(dict(a, img=a["img"].clone()), {"original_block": _core(b3)})["img"]
+        y_returned = y.clone()
+        z = p4(dict(a, img=y), {"original_block": _core(b4)})["img"]
+    return (p3, p4), y_returned, z, (b3, b4, a)
+
+
+def test_cross_block_residual_is_the_same_bits(fp8_model, monkeypatch):
+    """SETTINGS["cross_block_residual"] (the default): block 3 returns the stream without its final gated residual
+    and leaves it to block 4's entry, whose first producer applies it: block 4's output is bit for bit the one of
+    the two blocks run one after the other without it; a block 4 that cannot serve the call applies it first and runs
+    core's block (the same bits as core's block on the updated stream)."""
+    from h3_turbo.runtime import fused_block as fb
+
+    assert fk.SETTINGS["cross_block_residual"]                       # the default
+    (q3, q4), y_off, z_off, _ = _two_blocks(fp8_model, False, monkeypatch)
+    assert q3.deferred == 0 and q4._pending is None
+    (p3, p4), y_on, z_on, _ = _two_blocks(fp8_model, True, monkeypatch)
+    assert p3.deferred == 1 and p4.deferred == 0 and p4._pending is None and p3.calls == p4.calls == 1
+    assert not torch.equal(y_on, y_off)              # block 3's output left without its last update...
+    assert torch.equal(z_on, z_off)                  # ...which block 4 applied: the same bits
+    # block 4 cannot serve (CUDA-only patch, CPU stream): the update first, then core's block 4
+    (r3, r4), _, z_core, (b3, b4, a) = _two_blocks(fp8_model, True, monkeypatch, p4_devices=("cuda",))
+    assert r3.deferred == 1 and r4.delegated == 1 and r4._pending is None
+    with torch.no_grad():
+        y_whole = q3(dict(a, img=a["img"].clone(), transformer_options={}), {"original_block": _core(b3)})["img"]
+        want = _core(b4)(dict(a, img=y_whole.clone()))["img"]         # core's block updates its input in place
+    assert torch.equal(y_whole, y_off) and torch.equal(z_core, want)
+
+
+def test_cross_block_residual_guards(fp8_model, monkeypatch):
+    """A gated residual left for one stream tensor and another one handed to the next block in the same forward is a
+    RuntimeError naming the hook (deferral then off for the process); one left by an earlier forward (another t_emb)
+    is dropped; a chained entry (another override around block 4) gets no residual left."""
+    from h3_turbo.runtime import fused_block as fb
+
+    monkeypatch.setattr(fb, "_DEFER_OFF", [])
+    (p3, p4), _, _, (b3, b4, a) = _two_blocks(fp8_model, True, monkeypatch)
+    with torch.no_grad():
+        y = p3(dict(a, img=a["img"].clone()), {"original_block": _core(b3)})["img"]
+        assert p4._pending is not None and p4._pending.x is y
+        # an earlier forward's residual (another t_emb) is dropped, not applied
+        fresh = dict(a, img=a["img"].clone(), t_emb=a["t_emb"].clone())
+        p4(fresh, {"original_block": _core(b4)})
+        assert p4._pending is None and not fb._DEFER_OFF
+        y = p3(dict(a, img=a["img"].clone()), {"original_block": _core(b3)})["img"]
+        with pytest.raises(RuntimeError, match=r"another stream tensor.*double_block"):
+            p4(dict(a, img=y.clone()), {"original_block": _core(b4)})
+        assert fb._DEFER_OFF and p4._pending is None
+        p3(dict(a, img=a["img"].clone()), {"original_block": _core(b3)})
+        assert p4._pending is None                   # off for the process now
+    fb._DEFER_OFF.clear()
+    chained = fb.FusedBlockPatch(b4, 4, prev=lambda args, extra: extra["original_block"](args), ops=fk.EAGER,
+                                 devices=("cpu",))
+    a["transformer_options"]["patches_replace"]["dit"][("double_block", 4)] = chained
+    with torch.no_grad():
+        p3(dict(a, img=a["img"].clone()), {"original_block": _core(b3)})
+    assert chained._pending is None and p3.deferred == 3          # 3 left to block 4 above, none to the chain
+
+
 def test_fused_block_hands_unserved_calls_to_core_bit_identically(fp8_model, caplog):
     from h3_turbo.runtime import fused_block as fb
 

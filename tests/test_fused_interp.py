@@ -97,6 +97,24 @@ def test_norm_mod_residual_bit_identical_update_and_fp8(m, k, segs, ada_dtype):
 
 
 @pytest.mark.parametrize("m,k,segs", CASES)
+@pytest.mark.parametrize("out", ["fp8", "bf16"])
+def test_norm_mod_residual_is_gate_residual_then_norm_mod(m, k, segs, out):
+    """The fused block's cross-block form (SETTINGS["cross_block_residual"]): norm_mod(residual=(y, gate)) = the
+    previous block's gate_residual_ followed by this block's norm_mod, bit for bit (stream, codes, row scales)."""
+    x, w, sh, sc, gate, other = _inputs(m, k, seed=5 * m + k)
+    rows = fk.segment_rows(segs, m, "cpu")
+    x2 = x.clone()
+    got = fk.norm_mod(x, w, 1e-5, sh, sc, rows, out=out, residual=(other, gate))
+    fk.gate_residual_(x2, other, gate, rows)
+    want = fk.norm_mod(x2, w, 1e-5, sh, sc, rows, out=out)
+    assert torch.equal(x.view(torch.int16), x2.view(torch.int16))
+    if out == "fp8":
+        assert torch.equal(got[0].view(torch.uint8), want[0].view(torch.uint8)) and torch.equal(got[1], want[1])
+    else:
+        assert torch.equal(got.view(torch.int16), want.view(torch.int16))
+
+
+@pytest.mark.parametrize("m,k,segs", CASES)
 def test_norm_mod_bf16_output_is_the_rounded_float64(m, k, segs):
     x, w, sh, sc, _, _ = _inputs(m, k, seed=3 * m + k)
     rows = fk.segment_rows(segs, m, "cpu")

@@ -14,7 +14,7 @@ GEMM and the attention kernel in a fused DiT block.
 
 S rows (default 19 077 = the 960x544x124 joint tokens), 56 x 128 heads, core's rope table layout (48 rotated
 pairs). CUDA-event medians (``_common.cuda_median_ms``, 100 calls after 10); GB/s from the bytes each pass must
-move. Env: OUT (default benchmarks/results), TAG (default sage_prep_h200), ROWS, DRY=1 (CPU under
+move. Env: OUT (default benchmarks/results), TAG (default sage_prep_h200), ROWS, PARTS (default "rope,stats"), DRY=1 (CPU under
 TRITON_INTERPRET=1, tiny shapes: checks the script; timings meaningless). Saves ``$OUT/$TAG.json`` after every step.
 """
 from __future__ import annotations
@@ -50,6 +50,7 @@ RES: dict = {"env": {"rows": S, "heads": HEADS, "head_dim": HD, "rot_pairs": R2}
 T0 = time.perf_counter()
 ROPE = ((8, 4, False), (4, 2, False), (8, 4, True), (4, 2, True), (16, 4, True), (8, 8, True), (4, 4, True),
         (2, 2, True))
+PARTS = os.environ.get("PARTS", "rope,stats").split(",")
 STATS = ((16, 32, 4), (16, 64, 4), (16, 16, 4), (32, 32, 4), (64, 32, 4), (32, 64, 8), (8, 64, 8), (16, 64, 8))
 QKV_WARPS = (4, 8)
 
@@ -165,8 +166,10 @@ def main():
     RES["env"].update(torch=torch.__version__, device=torch.cuda.get_device_name() if DEV == "cuda" else "cpu",
                       dry=DRY)
     qkv0, table, qw, kw = problem()
-    rope_part(qkv0, table, qw, kw)
-    stats_part(qkv0)
+    if "rope" in PARTS:
+        rope_part(qkv0, table, qw, kw)
+    if "stats" in PARTS:
+        stats_part(qkv0)
     save()
     print(json.dumps({k: RES[k] for k in ("rope", "stats", "errors")}, indent=1, default=str)[-6000:])
     print("errors:", len(RES["errors"]))

@@ -350,6 +350,16 @@ class _Pending:
 
     def apply(self) -> None:
         self.ops.gate_residual_(self.x, self.y, self.gate, self.rows)
+        self.release()
+
+    def take(self) -> tuple:
+        """(y, gate) for ``norm_mod(residual=...)``; the object lets go of its tensors (y is freed once used)."""
+        r = (self.y, self.gate)
+        self.release()
+        return r
+
+    def release(self) -> None:
+        self.x = self.y = self.gate = None
 
 
 #: why leaving a block's gated residual to the next block is off in this process (empty: it is on)
@@ -522,22 +532,20 @@ def fused_forward(block, x, t_emb, mod_segments, rope_freqs, transformer_options
     e1, e2 = _eps(n1, x), _eps(n2, x)
 
     # attention: [the previous block's gated residual +] norm1 + modulation -> qkv
-    res0 = None if pending is None else (pending.y, pending.gate)
-    done0 = []
+    res0 = [] if pending is None else [pending]     # taken by the producer that runs (y freed after its pass)
+    had_pending, pending = pending is not None, None
 
     def qkv_fp8():
-        done0.append(1)
-        return ops.norm_mod(x, w1, e1, shift_msa, scale_msa, rows, residual=res0)
+        return ops.norm_mod(x, w1, e1, shift_msa, scale_msa, rows, residual=res0.pop().take() if res0 else None)
 
     def qkv_bf16():
-        done0.append(1)
-        return ops.norm_mod(x, w1, e1, shift_msa, scale_msa, rows, out="bf16", residual=res0)
+        return ops.norm_mod(x, w1, e1, shift_msa, scale_msa, rows, out="bf16",
+                            residual=res0.pop().take() if res0 else None)
 
     qkv = _project(at.qkv_proj, plans["attn.qkv_proj"], qkv_fp8, qkv_bf16, x, ops, routes)
-    if pending is not None and not done0:
+    if had_pending and res0:
         raise RuntimeError("fused block: the qkv producer did not run (the previous block's gated residual was not "
                            "applied)")
-    pending = res0 = None
     heads, dh = int(at.heads), int(at.head_dim)
     inner = heads * dh
     qw = mm.cast_to(at.q_norm.weight, device=x.device)

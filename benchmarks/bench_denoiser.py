@@ -1023,7 +1023,8 @@ def main():
     RES["env"] = {"torch": torch.__version__, "gpu": torch.cuda.get_device_name() if CUDA else "cpu",
                   "vram_state": str(mm.vram_state), "aimdo_enabled": bool(getattr(cmm, "aimdo_enabled", False)),
                   "comfy_args": sys.argv[1:], "shapes": SHAPES, "families": FAMILIES, "configs": CONFIGS,
-                  "attention": ATTN, "fwd_reps": FWD_REPS, "text_tokens": TEXT, "deadline_s": DEADLINE}
+                  "attention": ATTN, "fwd_reps": FWD_REPS, "text_tokens": TEXT, "deadline_s": DEADLINE,
+                  "settings_b": SETTINGS_B}
     try:
         import comfy_kitchen.backends.cuda as ckc
         RES["env"]["ck_cuda_ext"] = bool(getattr(ckc, "_EXT_AVAILABLE", None))

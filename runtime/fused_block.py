@@ -41,9 +41,11 @@ Across a block boundary (``kernels.fused.SETTINGS["cross_block_residual"]``, on 
 for block i + 1 is also a plain fused-block patch, block i returns x without its final gated residual and leaves
 (y, gate_mlp) to that patch, whose first producer applies it (``norm_mod(residual=...)``, the arithmetic of
 ``gate_residual_``, so the same bits) while it normalizes: one read and write of the stream less per boundary. Core's
-loop (0.33 and later) hands each block's output straight to the next block's entry; a block that cannot serve the call
-applies the update first, the last block never leaves one, and a stream tensor other than the one left for is a
-RuntimeError naming the hook (never a silently missing update).
+loop (0.33 and later) hands each block's output straight to the next block's entry. The residual is kept in the
+forward's own ``transformer_options`` (concurrent forwards, e.g. CFG halves on several GPUs, have their own); a block
+that cannot serve the call applies it first, the last block never leaves one, and within a forward a block or stream
+tensor other than the one it was left for is a RuntimeError naming the hook. One left in the dict by a forward that
+stopped between two blocks is dropped by the next forward (another ``t_emb``), logged once.
 
 The block's structure is checked once per block at install (:func:`structure_problem`): a mismatch is a
 RuntimeError naming the ComfyUI version and the hook. ComfyUI is imported lazily.
@@ -201,7 +203,8 @@ class FusedBlockPatch:
     ``block``: core's DiTBlock (held weakly); ``prev``: the entry that was installed before (called with this
     block's fused forward as its ``original_block``) or None; ``ops``: :data:`kernels.fused.TRITON` (CUDA) or
     :data:`kernels.fused.EAGER` (CPU tests); ``devices``: stream device types it serves (default CUDA).
-    ``calls`` / ``delegated``: counters of fused / handed-on calls.
+    ``calls`` / ``delegated``: counters of fused / handed-on calls; ``deferred``: fused calls that left their final
+    gated residual to the next block (module docstring).
     """
 
     def __init__(self, block, index: int, prev: Callable | None = None, ops=fk.TRITON,
@@ -214,7 +217,6 @@ class FusedBlockPatch:
         self.calls = 0
         self.delegated = 0
         self.routes: dict[str, int] = {}
-        self._pending: _Pending | None = None     # the previous block's gated residual, left for this block
         self.deferred = 0                         # calls that left their final gated residual to the next block
 
     def __call__(self, args: dict, extra: dict):
@@ -268,42 +270,52 @@ class FusedBlockPatch:
                 return why
         return None
 
-    def _take_pending(self, x, t_emb) -> "_Pending | None":
-        """The gated residual block ``index - 1`` left for this call (None if none), taken off the patch. One left
-        by another forward (another ``t_emb`` object: that forward stopped between the two blocks, e.g. on an
-        interrupt) is dropped. A RuntimeError if it was left in this forward for another stream tensor: something
-        replaced the stream between the two blocks, so that stream lacks the update (deferral is then switched off
-        for the process)."""
-        p, self._pending = self._pending, None
-        if p is not None and p.t_emb is not t_emb:
-            log_once(("fused_pending_stale", self.index), "H3 Turbo fused block: a gated residual left by an earlier "
-                     "forward that stopped after block %d was dropped", self.index - 1)
+    def _take_pending(self, x, args: dict) -> "_Pending | None":
+        """The gated residual the previous block left in this forward's ``transformer_options`` (None if none),
+        taken out of it. The slot is per forward (core builds ``transformer_options`` per model call; CFG halves on
+        several GPUs run in threads with their own), so concurrent forwards never see each other's. One left there
+        by an earlier forward with the same dict (another ``t_emb`` object: it stopped between two blocks, e.g. on an
+        exception) is dropped, logged once. A RuntimeError if it was left in this forward for another block or
+        another stream tensor: something ran between the two blocks, so the stream lacks the update (deferral is
+        then off for the process)."""
+        to = args.get("transformer_options")
+        p = to.pop(_PENDING_KEY, None) if isinstance(to, dict) else None
+        if p is None:
             return None
-        if p is not None and p.x is not x:
-            _DEFER_OFF.append(f"block {self.index} got another stream tensor than block {self.index - 1} returned")
-            raise RuntimeError(f"fused blocks: block {self.index - 1} left its gated residual to block {self.index}, "
-                               f"but block {self.index} was called with another stream tensor: something ran between "
-                               f"the two blocks (ComfyUI {core_version()}, hook {HOOK}). Deferral is now off for this "
-                               "process; run the prompt again.")
+        if p.t_emb is not args.get("t_emb"):
+            log_once(("fused_pending_stale",), "H3 Turbo fused block: a gated residual left by an earlier forward "
+                     "that stopped between two blocks was dropped (this forward does not use it)")
+            return None
+        if p.index != self.index or p.x is not x:
+            _DEFER_OFF.append(f"block {self.index} got another stream tensor than block {p.index - 1} returned")
+            got = "another block" if p.index != self.index else "another stream tensor"
+            raise RuntimeError(f"fused blocks: block {p.index - 1} left its gated residual to block {p.index}, but "
+                               f"{got} (block {self.index}) was called next: something ran between the two blocks "
+                               f"(ComfyUI {core_version()}, hook {HOOK}). Deferral is now off for this process; run "
+                               "the prompt again.")
         return p
 
     def _next_for_defer(self, args: dict) -> "FusedBlockPatch | None":
         """The patch of block ``index + 1`` when this call may leave its final gated residual to it
-        (``kernels.fused.SETTINGS["cross_block_residual"]``): both are plain fused-block entries (nothing chained
-        around either) and the entry core will call for block ``index + 1`` is that patch; else None."""
+        (``kernels.fused.SETTINGS["cross_block_residual"]``): core calls both entries directly (the entry for this
+        block is this patch, the one for block ``index + 1`` that patch), both are plain fused-block entries (nothing
+        chained around either), and the call's ``transformer_options`` holds no residual yet; else None."""
         if not fk.SETTINGS["cross_block_residual"] or _DEFER_OFF or self.prev is not None:
             return None
-        to = args.get("transformer_options") or {}
-        nxt = (to.get("patches_replace") or {}).get("dit", {}).get(("double_block", self.index + 1))
-        if isinstance(nxt, FusedBlockPatch) and nxt.prev is None and nxt.index == self.index + 1 \
-                and nxt.ops is self.ops and nxt._pending is None:
+        to = args.get("transformer_options")
+        if not isinstance(to, dict) or _PENDING_KEY in to:
+            return None
+        dit = (to.get("patches_replace") or {}).get("dit", {})
+        nxt = dit.get(("double_block", self.index + 1))
+        if dit.get(("double_block", self.index)) is self and isinstance(nxt, FusedBlockPatch) and nxt.prev is None \
+                and nxt.index == self.index + 1 and nxt.ops is self.ops:
             return nxt
         return None
 
     def run(self, args: dict, original: Callable):
         block = self._block()
         x = args["img"]
-        pending = self._take_pending(x, args.get("t_emb"))
+        pending = self._take_pending(x, args)
         why = self.blocker(block, x, args)
         if why is None and pending is not None and pending.segments != _segments_key(args["mod_segments"]):
             why = "the previous block's modulation segments differ"
@@ -333,7 +345,7 @@ class FusedBlockPatch:
         out = fused_forward(block, x, args["t_emb"], args["mod_segments"], args["rope_freqs"],
                             args.get("transformer_options", {}), plans, self.ops, self.routes, pending=pending,
                             defer_to=nxt)
-        if nxt is not None and nxt._pending is not None:
+        if nxt is not None and _PENDING_KEY in args["transformer_options"]:
             self.deferred += 1
         return {"img": out}
 
@@ -342,11 +354,12 @@ class _Pending:
     """A block's final gated residual ``x += y * gate[rows]`` left for the next block's first producer
     (``norm_mod(residual=(y, gate))``: the same arithmetic, so the same bits, one pass over the stream less)."""
 
-    __slots__ = ("x", "y", "gate", "rows", "segments", "ops", "t_emb")
+    __slots__ = ("x", "y", "gate", "rows", "segments", "ops", "t_emb", "index")
 
-    def __init__(self, x, y, gate, rows, segments, ops, t_emb):
+    def __init__(self, x, y, gate, rows, segments, ops, t_emb, index):
         self.x, self.y, self.gate, self.rows, self.segments, self.ops = x, y, gate, rows, segments, ops
         self.t_emb = t_emb        # the forward it belongs to (core makes t_emb once per forward)
+        self.index = index        # the block it is left for
 
     def apply(self) -> None:
         self.ops.gate_residual_(self.x, self.y, self.gate, self.rows)
@@ -364,6 +377,8 @@ class _Pending:
 
 #: why leaving a block's gated residual to the next block is off in this process (empty: it is on)
 _DEFER_OFF: list[str] = []
+#: the ``transformer_options`` key of the forward's left residual (one at a time: block i leaves it, i + 1 takes it)
+_PENDING_KEY = "h3turbo_fused_pending_residual"
 
 
 def _segments_key(mod_segments) -> tuple:
@@ -554,7 +569,7 @@ def fused_forward(block, x, t_emb, mod_segments, rope_freqs, transformer_options
     if sage is not None:
         # int8_sage: its Q quantization and K/V statistics come out of the RMSNorm + RoPE launch, its kernel runs
         # here and writes e4m3 for an fp8 out_proj (a failure disables this route, logged once, and reruns the block:
-        # x is not modified before the fc1 producer)
+        # x is not modified before the fc1 producer, except by the previous block's gated residual applied above)
         override, cfg = sage
         failed = None
         try:
@@ -634,7 +649,8 @@ def fused_forward(block, x, t_emb, mod_segments, rope_freqs, transformer_options
                   lambda: comfy.ops.INPUT_ACT_EAGER["swiglu"](hmid), x, ops, routes)
     del hmid
     if defer_to is not None:
-        defer_to._pending = _Pending(x, y2, gate_mlp, rows, _segments_key(mod_segments), ops, t_emb)
+        transformer_options[_PENDING_KEY] = _Pending(x, y2, gate_mlp, rows, _segments_key(mod_segments), ops, t_emb,
+                                                      defer_to.index)
     else:
         ops.gate_residual_(x, y2, gate_mlp, rows)
     return x

@@ -539,12 +539,12 @@ def quantize_kv(k: torch.Tensor, v: torch.Tensor, config: dict | None = None, st
     :mod:`.int8_gluon`'s P registers, ``v_perm32`` True), ``km``/``vm``/``vs``/``vinv`` float32 [B*H, D],
     ``n_kpad`` = L rounded up to BLOCK_N. Rows past L are written as zeros. ``stats``: (km, vm, vs, vinv)
     already computed (e.g. :func:`stats_from_sums`), else :func:`kv_stats` here. ``parts``: (ksum, vamax) partials
-    [R, B*H, D] (:func:`kv_partial_stats`; needs V_MEAN off and PV_FP8): the kernel reduces them itself (no torch
-    op), ``vm`` is then None and the dict adds ``hmax`` float32 [B*H] (max |v| per (b, h)). ``num_warps``: the
+    [R, B*H, D] (:func:`kv_partial_stats`; needs V_MEAN off and PV_FP8): reduced by Triton launches (no torch
+    op, see ``reduce_once``), ``vm`` is then None and the dict adds ``hmax`` float32 [B*H] (max |v| per (b, h)). ``num_warps``: the
     launch's (default 8 for the Gluon layout, 4 otherwise; the output does not depend on it: every reduction in the
     kernel is a max or runs in a fixed order per element). ``reduce_once`` (with ``parts``): the partials are reduced
-    by one small launch per call (one program per head) instead of by every key-block program; the same float32 ops
-    in the same order, so the same bits (H200, 16 partials: docs/kernels.md)."""
+    by one small launch per call (one program per head) instead of by every key-block program (False); the same
+    float32 ops in the same order, so the same bits (measurements: docs/kernels.md, "The statistics pass")."""
     c = _cfg(config)
     B, H, L, D = k.shape
     bn = c["BLOCK_N"]

@@ -149,23 +149,36 @@ if triton is not None:
         tl.store(VAMAX + (r * H + h) * HEAD_DIM + offs_d, tl.max(am, 0))
 
     @triton.jit
-    def _kv_stats_finish_kernel(KP, VP, KM, VINV, VS, HMAX, N_PARTS, n_f, HEAD_DIM: tl.constexpr):
-        """One (b, h): the partials [N_PARTS, B*H, D] reduced once (the same float32 ops in the same order as
-        ``_quant_kv_kernel``'s FROM_PARTS branch, so the same bits) into KM (mean of k), VS / VINV (V's e4m3 scales)
-        and HMAX (max |v| of the head)."""
-        bh = tl.program_id(0)
+    def _reduce_parts(KP, VP, bh, nbh, N_PARTS, n_f, HEAD_DIM: tl.constexpr):
+        """Head ``bh``'s statistics from the partials [N_PARTS, nbh, D] (:func:`kv_partial_stats`), in a fixed order:
+        (mean of k, V's e4m3 scale and quant factor, max |v| per channel); from one partial the bits of
+        :func:`stats_from_sums` on the CPU (see ``_e4m3_scales``)."""
         offs_d = tl.arange(0, HEAD_DIM)
         ksum = tl.zeros([HEAD_DIM], dtype=tl.float32)
         vamax = tl.zeros([HEAD_DIM], dtype=tl.float32)
         for r in range(0, N_PARTS):
-            ksum += tl.load(KP + (r * tl.num_programs(0) + bh) * HEAD_DIM + offs_d)
-            vamax = tl.maximum(vamax, tl.load(VP + (r * tl.num_programs(0) + bh) * HEAD_DIM + offs_d))
+            ksum += tl.load(KP + (r * nbh + bh) * HEAD_DIM + offs_d)
+            vamax = tl.maximum(vamax, tl.load(VP + (r * nbh + bh) * HEAD_DIM + offs_d))
         km = tl.math.div_rn(ksum, tl.full([HEAD_DIM], n_f, tl.float32))
         vs_p, vinv_p = _e4m3_scales(vamax)
+        return km, vs_p, vinv_p, vamax
+
+    @triton.jit
+    def _store_stats(KM, VINV, VS, HMAX, bh, km, vs_p, vinv_p, vamax, HEAD_DIM: tl.constexpr):
+        """What the attention kernel and the caller read: the mean of k, V's scales, the head's max |v|."""
+        offs_d = tl.arange(0, HEAD_DIM)
         tl.store(KM + bh * HEAD_DIM + offs_d, km)
         tl.store(VINV + bh * HEAD_DIM + offs_d, vinv_p)
         tl.store(VS + bh * HEAD_DIM + offs_d, vs_p)
         tl.store(HMAX + bh, tl.max(vamax, 0))
+
+    @triton.jit
+    def _kv_stats_finish_kernel(KP, VP, KM, VINV, VS, HMAX, N_PARTS, n_f, HEAD_DIM: tl.constexpr):
+        """One (b, h): the partials reduced once (:func:`_reduce_parts`, as ``_quant_kv_kernel``'s FROM_PARTS branch)
+        and stored (:func:`_store_stats`)."""
+        bh = tl.program_id(0)
+        km, vs_p, vinv_p, vamax = _reduce_parts(KP, VP, bh, tl.num_programs(0), N_PARTS, n_f, HEAD_DIM)
+        _store_stats(KM, VINV, VS, HMAX, bh, km, vs_p, vinv_p, vamax, HEAD_DIM)
 
     @triton.jit
     def _quant_kv_kernel(K, V, KM, VM, VINV, K8, KS, VQ, KP, VP, VS, HMAX,
@@ -183,19 +196,9 @@ if triton is not None:
         valid = (offs_n < N_K)[:, None]
         nb = N_KPAD // BLOCK_N
         if FROM_PARTS:   # the statistics from partial sums / maxima [N_PARTS, B*H, D] (kv_partial_stats)
-            ksum = tl.zeros([HEAD_DIM], dtype=tl.float32)
-            vamax = tl.zeros([HEAD_DIM], dtype=tl.float32)
-            for r in range(0, N_PARTS):
-                ksum += tl.load(KP + (r * tl.num_programs(1) + bh) * HEAD_DIM + offs_d)
-                vamax = tl.maximum(vamax, tl.load(VP + (r * tl.num_programs(1) + bh) * HEAD_DIM + offs_d))
-            # from one partial the bits of stats_from_sums on the CPU (see _e4m3_scales)
-            km = tl.math.div_rn(ksum, tl.full([HEAD_DIM], n_f, tl.float32))
-            vs_p, vinv_p = _e4m3_scales(vamax)
+            km, vs_p, vinv_p, vamax = _reduce_parts(KP, VP, bh, tl.num_programs(1), N_PARTS, n_f, HEAD_DIM)
             if j == 0:   # one program per head writes what the attention kernel and the caller read
-                tl.store(KM + bh * HEAD_DIM + offs_d, km)
-                tl.store(VINV + bh * HEAD_DIM + offs_d, vinv_p)
-                tl.store(VS + bh * HEAD_DIM + offs_d, vs_p)
-                tl.store(HMAX + bh, tl.max(vamax, 0))
+                _store_stats(KM, VINV, VS, HMAX, bh, km, vs_p, vinv_p, vamax, HEAD_DIM)
         # ---- K: smooth, per-block int8
         kp = _bhld_ptrs(K, b, h, offs_n, offs_d, skb, skh, skn, skd)
         k = tl.load(kp, mask=valid, other=0.0).to(tl.float32)

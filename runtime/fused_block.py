@@ -317,8 +317,6 @@ class FusedBlockPatch:
         x = args["img"]
         pending = self._take_pending(x, args)
         why = self.blocker(block, x, args)
-        if why is None and pending is not None and pending.segments != _segments_key(args["mod_segments"]):
-            why = "the previous block's modulation segments differ"
         plans = None
         if why is None:
             plans = {}
@@ -354,10 +352,10 @@ class _Pending:
     """A block's final gated residual ``x += y * gate[rows]`` left for the next block's first producer
     (``norm_mod(residual=(y, gate))``: the same arithmetic, so the same bits, one pass over the stream less)."""
 
-    __slots__ = ("x", "y", "gate", "rows", "segments", "ops", "t_emb", "index")
+    __slots__ = ("x", "y", "gate", "rows", "ops", "t_emb", "index")
 
-    def __init__(self, x, y, gate, rows, segments, ops, t_emb, index):
-        self.x, self.y, self.gate, self.rows, self.segments, self.ops = x, y, gate, rows, segments, ops
+    def __init__(self, x, y, gate, rows, ops, t_emb, index):
+        self.x, self.y, self.gate, self.rows, self.ops = x, y, gate, rows, ops
         self.t_emb = t_emb        # the forward it belongs to (core makes t_emb once per forward)
         self.index = index        # the block it is left for
 
@@ -380,9 +378,6 @@ _DEFER_OFF: list[str] = []
 #: the ``transformer_options`` key of the forward's left residual (one at a time: block i leaves it, i + 1 takes it)
 _PENDING_KEY = "h3turbo_fused_pending_residual"
 
-
-def _segments_key(mod_segments) -> tuple:
-    return tuple((int(a), int(b), int(r)) for a, b, r in mod_segments)
 
 
 # --------------------------------------------------------------------------- the fused forward
@@ -546,6 +541,9 @@ def fused_forward(block, x, t_emb, mod_segments, rope_freqs, transformer_options
     w1, w2 = _weight(n1, x), _weight(n2, x)
     e1, e2 = _eps(n1, x), _eps(n2, x)
 
+    if pending is not None and pending.rows is not rows:
+        pending.apply()     # another segment table than the previous block's (not in core's loop): its own rows
+        pending = None
     # attention: [the previous block's gated residual +] norm1 + modulation -> qkv
     res0 = [] if pending is None else [pending]     # taken by the producer that runs (y freed after its pass)
     had_pending, pending = pending is not None, None
@@ -649,8 +647,7 @@ def fused_forward(block, x, t_emb, mod_segments, rope_freqs, transformer_options
                   lambda: comfy.ops.INPUT_ACT_EAGER["swiglu"](hmid), x, ops, routes)
     del hmid
     if defer_to is not None:
-        transformer_options[_PENDING_KEY] = _Pending(x, y2, gate_mlp, rows, _segments_key(mod_segments), ops, t_emb,
-                                                      defer_to.index)
+        transformer_options[_PENDING_KEY] = _Pending(x, y2, gate_mlp, rows, ops, t_emb, defer_to.index)
     else:
         ops.gate_residual_(x, y2, gate_mlp, rows)
     return x

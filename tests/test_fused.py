@@ -246,7 +246,10 @@ def test_cross_block_residual_is_the_same_bits(fp8_model, monkeypatch):
     assert fk.SETTINGS["cross_block_residual"]                       # the default
     (q3, q4), y_off, z_off, (b3, b4, a0) = _two_blocks(fp8_model, False, monkeypatch)
     assert q3.deferred == 0 and _left(a0) is None
+    calls = []
+    monkeypatch.setattr(fk.EAGER, "gate_residual_", lambda *a, _f=fk.EAGER.gate_residual_: calls.append(1) or _f(*a))
     (p3, p4), y_on, z_on, a1 = _two_blocks(fp8_model, True, monkeypatch)
+    assert calls == [1]         # block 4's own last update only: block 3's was applied by block 4's first producer
     assert p3.deferred == 1 and p4.deferred == 0 and _left(a1[2]) is None and p3.calls == p4.calls == 1
     assert not torch.equal(y_on, y_off)              # block 3's output left without its last update...
     assert torch.equal(z_on, z_off)                  # ...which block 4 applied: the same bits

@@ -121,7 +121,7 @@ def comfy(fixtures_dir, tmp_path_factory):
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
     shots = getattr(config, "_h3_browser_screenshots", None)  # set by tests/test_browser.py
     if shots is not None:
-        terminalreporter.write_line(f"browser screenshots (one per example workflow): {shots}")
+        terminalreporter.write_line(f"browser screenshots (each example workflow, the demo after its run, the node library): {shots}")
 
 
 # ----------------------------------------------------------------------------------------- server

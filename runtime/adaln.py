@@ -41,8 +41,13 @@ FORMAT_VERSION = 1
 #: core's ``VISUAL_COND_TIMESTEP`` (condition rows pinned at max(t_v, 0.999); docs/h3-facts.md)
 VISUAL_COND_T = 0.999
 _ENC = 128.0   # row index = hi * 128 + lo (both exact in bf16 / fp16)
-#: forwards served by AdaLN tables, by how their rows were found: "group" (one stored batch) or "composed"
-LOOKUPS = state.Counters("adaln_table_lookups", ("group", "composed"))
+#: forwards served by AdaLN tables, by how their rows were found: "group" (one stored batch, bit-equal keys),
+#: "nearest" (one stored batch, keys within TOLERANCE) or "composed" (per timestep from several groups)
+LOOKUPS = state.Counters("adaln_table_lookups", ("group", "nearest", "composed"))
+#: |dt| within which a forward's timestep matches a stored key that is not bit-equal (docs/turboh3.md, "AdaLN": core
+#: recomputes the audio timestep from the video sigma in fp32, 16 ulp = 1.2e-7 from fp32(1 - sigma_audio) at t = 0.1;
+#: 16 ulp anywhere in [0, 1) is at most 9.5e-7; a schedule's distinct timesteps lie >= 1e-3 apart)
+TOLERANCE = 2e-6
 
 
 # --------------------------------------------------------------------------------------------- schedules
@@ -167,29 +172,75 @@ class AdaLNTable:
 
     def rows_for(self, t_vals: torch.Tensor) -> torch.Tensor:
         """Row indices (int64 [M], CPU) of a forward's sorted distinct timesteps ``t_vals`` (fp32). The exact group
-        first; else every timestep from a group holding it (logged once: equal to the weight-driven AdaLN up to the
-        GEMM's batch-dependent rounding); else CheckpointError naming the table and the missing timestep."""
+        first; else a stored group whose timesteps each lie within :data:`TOLERANCE` of the forward's (another
+        implementation's fp32 arithmetic; logged once with the distance); else every timestep from a group holding it,
+        exactly or within the tolerance (logged once: equal to the weight-driven AdaLN up to the GEMM's
+        batch-dependent rounding); else CheckpointError naming the table, the timestep, the nearest stored timestep
+        and the distance. Never interpolated."""
         key = _bits(t_vals.detach().float().cpu().tolist())
         for g, s in zip(self.groups, self.starts):
             if g == key:
                 LOOKUPS.incr("group")
                 return torch.arange(s, s + len(g))
-        rows = []
-        for b in key:
+        want = _floats(key)
+        for g, s in zip(self.groups, self.starts):
+            if len(g) == len(key) and all(abs(a - b) <= TOLERANCE for a, b in zip(_floats(g), want)):
+                LOOKUPS.incr("nearest")
+                self._log_nearest(key, g)
+                return torch.arange(s, s + len(g))
+        rows, near = [], []
+        for b, t in zip(key, want):
             hit = next((s + g.index(b) for g, s in zip(self.groups, self.starts) if b in g), None)
             if hit is None:
-                t = torch.tensor([b], dtype=torch.int32).view(torch.float32).item()
-                raise CheckpointError(self.path, f"timestep {t!r} (fp32 bits 0x{b & 0xFFFFFFFF:08x}) of this forward "
-                                                 f"is not in the AdaLN table {self.describe()}; tables hold only the "
-                                                 "timesteps of their schedule and are never interpolated",
-                                      expected="the table's schedule (steps, shifts) or adaln=none / a table for "
-                                               "this schedule (`python -m h3_turbo.tools adaln-table`)")
+                hit, kb, dt = self._nearest(b, t)
+                near.append(kb)
             rows.append(hit)
         LOOKUPS.incr("composed")
+        if near:
+            self._log_nearest(key, None)
         log_once(("adaln-compose", self.path, key), "H3 Turbo AdaLN table %s: the timestep group %s is not stored "
                  "as one batch; its rows are taken per timestep from other groups (same values up to the GEMM's "
                  "batch-dependent rounding)", os.path.basename(self.path), [round(v, 6) for v in t_vals.tolist()])
         return torch.tensor(rows)
+
+    def _nearest(self, b: int, t: float) -> tuple[int, int, float]:
+        """(row, stored bits, |dt|) of the stored timestep nearest ``t`` (fp32 bits ``b``) within :data:`TOLERANCE`;
+        CheckpointError naming the nearest key and the distance otherwise."""
+        best = None
+        for g, s in zip(self.groups, self.starts):
+            for j, (gb, gt) in enumerate(zip(g, _floats(g))):
+                d = abs(gt - t)
+                if best is None or d < best[2]:
+                    best = (s + j, gb, d)
+        if best is not None and best[2] <= TOLERANCE:
+            return best
+        near = "the table is empty" if best is None else \
+            f"the nearest stored timestep is {_floats((best[1],))[0]!r} (fp32 bits 0x{best[1] & 0xFFFFFFFF:08x}), " \
+            f"|dt| = {best[2]:.3g} > the tolerance {TOLERANCE:g}"
+        raise CheckpointError(self.path, f"timestep {t!r} (fp32 bits 0x{b & 0xFFFFFFFF:08x}) of this forward is not in "
+                                         f"the AdaLN table {self.describe()}: {near}; tables hold only the timesteps of "
+                                         "their schedule and are never interpolated",
+                              expected="the table's schedule (steps, shifts) or adaln=none / a table for this schedule "
+                                       "(`python -m h3_turbo.tools adaln-table`)")
+
+    def _log_nearest(self, key: tuple[int, ...], group: tuple[int, ...] | None) -> None:
+        pairs = []
+        for b, t in zip(key, _floats(key)):
+            if group is not None:
+                gb = group[key.index(b)]
+            elif any(b in g for g in self.groups):
+                continue
+            else:
+                gb = self._nearest(b, t)[1]
+            if gb != b:
+                pairs.append(f"{t!r} -> {_floats((gb,))[0]!r} (|dt| {abs(_floats((gb,))[0] - t):.3g})")
+        log_once(("adaln-nearest", self.path, key), "H3 Turbo AdaLN table %s: timesteps matched to the nearest stored "
+                 "key within %g (fp32 arithmetic of another implementation; no interpolation): %s",
+                 os.path.basename(self.path), TOLERANCE, ", ".join(pairs))
+
+
+def _floats(bits) -> list[float]:
+    return torch.tensor(list(bits), dtype=torch.int32).view(torch.float32).tolist()
 
 
 def _encode(idx: torch.Tensor, device) -> torch.Tensor:

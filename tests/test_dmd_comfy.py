@@ -135,7 +135,7 @@ def test_table_driven_adaln_equals_weight_driven(comfy, release, caplog):
     patched = _sample(comfy, core, "renoise", core=True, table=release["adaln"])
     assert _eq(t[0], w[0]) and _eq(t[1], w[1]) and _eq(auto[0], w[0]) and _eq(auto[1], w[1])
     assert _eq(patched[0], w[0]) and _eq(patched[1], w[1])
-    assert LOOKUPS.counts == {"group": 3 * 4, "composed": 0}     # 3 samplings x 4 forwards, each its exact group
+    assert LOOKUPS.counts == {"group": 3 * 4, "nearest": 0, "composed": 0}   # 3 samplings x 4 forwards: exact groups
     assert not [r for r in caplog.records if "not stored as one batch" in r.getMessage()]
 
 

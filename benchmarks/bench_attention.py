@@ -25,6 +25,9 @@ tuned config; on the CPU every call falls back to exact).
 Env: COMFY (a ComfyUI tree; only comfy/ is imported), CKPATH (comfy_kitchen for this Python), AIMDO
 (comfy_aimdo), OUT (result folder, default .), DRY=1 (tiny sizes on the CPU, to check the script).
 Writes $OUT/bench_attention_h200.json (after every part) and prints a table last.
+
+Run (GPU): ``COMFY=<ComfyUI> OUT=benchmarks/results python3 benchmarks/bench_attention.py``; CPU check:
+``DRY=1 COMFY=$HOME/ComfyUI OUT=/tmp/dry python benchmarks/bench_attention.py``.
 """
 import json
 import math

@@ -18,6 +18,9 @@ consumer's protocol-only path; it only differs at lengths whose last query tile 
 interleaved rounds of the warp-specialized variants, 10 calls each per round in a rotating order: ``abab_ms_*``,
 medians over the rounds), DRY=1 (CPU: inputs and reference only, no kernels). Saves ``$OUT/$TAG.json`` after every
 step.
+
+Run (GPU, torch and Triton only): ``OUT=benchmarks/results WS_STAGES=2 python3 benchmarks/bench_attention_gluon.py``;
+CPU check: ``DRY=1 OUT=/tmp/dry python benchmarks/bench_attention_gluon.py``.
 """
 from __future__ import annotations
 

@@ -22,13 +22,16 @@ Library rows (``LIBS=sage2``, at every S): SageAttention 2's own Hopper kernel
 smoothed K, FP8 P V with two-level fp32 accumulation; hand-written CUDA with wgmma and TMA), on the same
 inputs in core's [1, S, H, D] view ("NHD", no copies; its output is [1, S, H, D] contiguous = core's
 [1, S, 7168]), every pre-pass included, the same accuracy columns. SageAttention 2 is not on PyPI: build it
-with ``benchmarks/build_sageattention_sm90.py`` and put the built folder on PYTHONPATH. A missing library
+from source (thu-ml/SageAttention; the sm_90a modules ``_qattn_sm90`` and ``_fused`` suffice) and put the built
+folder on PYTHONPATH. A missing library
 is recorded as an error row, not skipped silently.
 
 Env: SIZES (default 19584,37632,109000), CONFIGS (JSON list of config dicts, default below), TOP (how
 many of the fastest configs at the first S run at the larger S; default 2), LIBS (comma list, ``sage2``;
 default none), OUT (result folder).
 Writes $OUT/bench_attention_int8_h200.json and .md; prints a table last.
+
+Run (GPU, from the repo root): ``OUT=benchmarks/results python3 benchmarks/bench_attention_int8.py``.
 """
 import json
 import os

@@ -45,9 +45,14 @@ unprofiled, and a cProfile of the prologue's host functions, :func:`host_phases`
 started inside the gap: what the GPU waited for), DEADLINE (s since start after which no
 new configuration starts), CKPT_DIR (where the checkpoint is written), COMFY_ARGS (default --highvram on the
 GPU: offload device = GPU, so unloading a family moves nothing), PLOT=1 (write the PNG at the end),
-PLOT_ONLY=a.json,b.json (plot these result files, nothing else), MERGE=a.json,b.json (write the issue's result
-file ``$OUT/$TAG.json`` from raw run files, see :func:`merge`, and the plot). CONFIGS entries may name a shape:
+PLOT_ONLY=a.json,b.json (plot these result files, nothing else), MERGE=a.json,b.json (write the merged result
+file ``$OUT/$TAG.json`` from raw run files, see :func:`merge`; the plot too with PLOT=1). CONFIGS entries may name a shape:
 ``name@960x544x124``.
+
+Run (GPU, ComfyUI and comfy-kitchen importable; benchmarks/README.md has the preparation):
+``TAG=denoiser_h200_runN FUSED_SAGE=1 FWD_REPS=3 SHAPES=960x544x124 FAMILIES=core_nvfp4,ours_fp8t ATTN=int8_sage FUSED=1
+CONFIGS=core_nvfp4,ours_fp8t_int8_sage_fused DEADLINE=255 timeout 285 python3 benchmarks/bench_denoiser.py``;
+CPU check: ``DRY=1 OUT=/tmp/dry COMFYUI_PATH=$HOME/ComfyUI python benchmarks/bench_denoiser.py``.
 """
 from __future__ import annotations
 
@@ -947,8 +952,8 @@ def merge(paths, out_json):
         for sk, rows in res.get("shapes", {}).items():
             dst = out.setdefault(sk, {})
             for n, r in rows.items():
-                if not r.get("forward_s"):
-                    continue
+                if not r.get("forward_s") or re.search(r"_fused_(b|sage)(_|$)", n):
+                    continue    # an A/B row (SETTINGS_B, FUSED_SAGE=ab) stays in its run's file
                 row = {k: r.get(k) for k in RESULT_KEYS}
                 row.update({k: r.get(k) for k in ("first_s", "first_call_overhead_s", "turbo4_forward_s",
                                                    "sampler_overhead_s", "to_gpu_s", "reference_forward",
@@ -996,7 +1001,8 @@ def main():
     if os.environ.get("MERGE"):
         paths = os.environ["MERGE"].split(",")
         merge(paths, os.path.join(OUT, f"{TAG}.json"))
-        print(plot([json.load(open(p)) for p in paths], os.path.join(OUT, f"{TAG}.png")))
+        if os.environ.get("PLOT"):
+            print(plot([json.load(open(p)) for p in paths], os.path.join(OUT, f"{TAG}.png")))
         return
     if os.environ.get("PLOT_ONLY"):
         res = [json.load(open(p)) for p in os.environ["PLOT_ONLY"].split(",")]

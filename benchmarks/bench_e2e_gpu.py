@@ -28,6 +28,9 @@ start after which part 1 stops), PREVIEW=1 (add H3TurboSaveLatentPreview, needs 
 (default reference,exact,fp8), CORE_ATTN=1 (part 2 also runs compute=reference without H3TurboAttention:
 core as core's users run it), P2_ATTN (comma list of further H3TurboAttention backends for part 2, e.g.
 int8_sage). Writes $OUT/e2e_gpu_h200.json after every step.
+
+Run (GPU): ``OUT=benchmarks/results COMFYUI_PATH=<ComfyUI> python3 benchmarks/bench_e2e_gpu.py``; CPU check:
+``DRY=1 OUT=/tmp/dry COMFYUI_PATH=$HOME/ComfyUI python benchmarks/bench_e2e_gpu.py``.
 """
 from __future__ import annotations
 

@@ -40,6 +40,9 @@ attention), KERNELS (comma list: part 1 runs only these kernel rows, e.g. ``norm
 (0/1), COMFYUI_PATH (a ComfyUI tree; comfy-kitchen importable), DEADLINE (s: parts stop starting new steps after
 it, default 280), DRY=1 (CPU: tiny widths, Triton interpreted, timings meaningless:
 checks the script end to end).
+
+Run (GPU): ``DEADLINE=270 timeout 330 python3 benchmarks/bench_fused.py``; CPU check:
+``DRY=1 OUT=/tmp/dry COMFYUI_PATH=$HOME/ComfyUI python benchmarks/bench_fused.py``.
 """
 from __future__ import annotations
 

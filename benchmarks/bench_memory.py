@@ -20,6 +20,9 @@ Env: OUT, TAG (default memory_h200), DRY=1 (CPU, tiny widths, reference compute:
 blocks, default 50), CONFIGS (comma list of compute/weights/adaln, default below), CAPS (default 48,24),
 ATTN (default exact), DEADLINE (s after which no new configuration starts), CKPT_DIR, SHAPE (default
 960x544x124). COMFY_ARGS default ``--highvram`` (ComfyUI loads the whole model; the cap is torch's).
+
+Run (GPU): ``OUT=benchmarks/results python3 benchmarks/bench_memory.py``; CPU check:
+``DRY=1 OUT=/tmp/dry COMFYUI_PATH=$HOME/ComfyUI python benchmarks/bench_memory.py``.
 """
 from __future__ import annotations
 

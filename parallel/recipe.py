@@ -13,7 +13,10 @@ closures). It rebuilds the same MODEL:
 
 A part that does not pickle must exist under the same name in the rebuilt base or replay; otherwise the worker refuses
 the request naming it (:class:`~h3_turbo.errors.SequenceParallelError`), never drops it silently. Tensors travel
-through shared memory (torch.multiprocessing's reductions); CUDA tensors are copied to the CPU first.
+through shared memory (torch.multiprocessing's reductions); CUDA tensors are copied to the CPU first. Classes and
+functions of modules ComfyUI imported under their file path (core's ``comfy_extras`` nodes such as ``Guider_Basic``,
+custom node packs) travel as a reference to that file, which the worker loads under the same name: pickle's by-name
+reference breaks when the path has a dot-directory (``~/.local/ComfyUI``).
 """
 from __future__ import annotations
 
@@ -22,6 +25,7 @@ import os
 import pickle
 import sys
 import threading
+import types
 import uuid
 from dataclasses import dataclass, field
 from multiprocessing.reduction import ForkingPickler
@@ -51,11 +55,16 @@ _PLAIN_CLASS_KEYS = {"__module__", "__qualname__", "__doc__", "__dict__", "__wea
 class _Pickler(ForkingPickler):
     """torch.multiprocessing's pickler (tensors through shared memory) + CUDA tensors sent as CPU copies + instances of
     a local class that adds nothing to its (importable) bases, e.g. ``class ModelSamplingAdvanced(ModelSamplingAV,
-    CONST): pass`` inside a node, rebuilt as the same combination of bases."""
+    CONST): pass`` inside a node, rebuilt as the same combination of bases + classes and functions of modules that
+    ComfyUI named by their file path, referenced by that file (:func:`_path_reference`), never by pickle's import of
+    the module name."""
 
     def reducer_override(self, obj):
         if isinstance(obj, torch.Tensor) and obj.device.type == "cuda":
             return (_cpu_tensor, (obj.detach().cpu(),))
+        if isinstance(obj, (type, types.FunctionType)) and obj is not _path_global:
+            ref = _path_reference(obj)
+            return NotImplemented if ref is None else (_path_global, ref)
         cls = type(obj)
         if "<locals>" in getattr(cls, "__qualname__", "") and not isinstance(obj, type) \
                 and set(vars(cls)) <= _PLAIN_CLASS_KEYS \
@@ -66,6 +75,66 @@ class _Pickler(ForkingPickler):
 
 def _cpu_tensor(t):
     return t
+
+
+def _path_reference(obj) -> tuple[str, str, str | None] | None:
+    """(module name, qualified name, module file) of a class or function whose module ComfyUI imported under its file
+    path (``comfy_extras`` nodes, custom node packs: ``spec_from_file_location(<path>, ...)``), else None. Pickle's own
+    by-name reference fails for such names when the path has a dot (``~/.local/ComfyUI``: ``import`` splits the name at
+    the dot); this reference names the file instead (:func:`_path_global`)."""
+    mod = getattr(obj, "__module__", None)
+    qual = getattr(obj, "__qualname__", None)
+    if not isinstance(mod, str) or not isinstance(qual, str) or "<locals>" in qual or \
+            ("/" not in mod and "\\" not in mod):
+        return None
+    m = sys.modules.get(mod)
+    if m is None:
+        return None
+    try:
+        found = _attr_path(m, qual)
+    except AttributeError:
+        return None
+    return (mod, qual, getattr(m, "__file__", None)) if found is obj else None
+
+
+def _attr_path(root, qualname: str):
+    for part in qualname.split("."):
+        root = getattr(root, part)
+    return root
+
+
+def _path_global(module: str, qualname: str, file: str | None):
+    """The object :func:`_path_reference` names: from ``sys.modules[module]`` when this process has the module, else
+    after loading ``file`` under the same module name (as ComfyUI does; a package submodule through its package)."""
+    m = sys.modules.get(module)
+    if m is None:
+        base = module.replace("\\", "/").rsplit("/", 1)[-1]
+        if "." in base:                        # a submodule of a path-named package (e.g. a custom node pack's)
+            import importlib
+
+            m = importlib.import_module(module)
+        elif file is not None and os.path.isfile(file):
+            m = _load_file_module(module, file)
+        else:
+            raise ImportError(f"H3 Turbo Multi-GPU: the worker cannot find {qualname} of module {module!r} "
+                              f"(its file {file!r} does not exist here)")
+    return _attr_path(m, qualname)
+
+
+def _load_file_module(module: str, file: str):
+    import importlib.util
+
+    pkg = os.path.basename(file) == "__init__.py"
+    spec = importlib.util.spec_from_file_location(module, file, submodule_search_locations=[os.path.dirname(file)]
+                                                  if pkg else None)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[module] = mod
+    try:
+        spec.loader.exec_module(mod)
+    except BaseException:
+        sys.modules.pop(module, None)
+        raise
+    return mod
 
 
 def dumps(obj) -> bytes:
@@ -100,22 +169,10 @@ class _Unpickler(pickle.Unpickler):
 
 
 def _import_path_module(module: str) -> None:
-    import importlib.util
-
     if os.path.isfile(module + ".py"):
-        spec = importlib.util.spec_from_file_location(module, module + ".py")
+        _load_file_module(module, module + ".py")
     elif os.path.isfile(os.path.join(module, "__init__.py")):
-        spec = importlib.util.spec_from_file_location(module, os.path.join(module, "__init__.py"),
-                                                      submodule_search_locations=[module])
-    else:
-        return
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[module] = mod
-    try:
-        spec.loader.exec_module(mod)
-    except BaseException:
-        sys.modules.pop(module, None)
-        raise
+        _load_file_module(module, os.path.join(module, "__init__.py"))
 
 
 def loads(data: bytes):

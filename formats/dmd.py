@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from dataclasses import dataclass, field
 from typing import Callable, Iterator
 
@@ -52,8 +53,36 @@ class Release:
     manifest: str | None = None
 
 
+#: folders above a file (its own folder first) searched for the release root it belongs to
+RELEASE_ROOT_DEPTH = 2
+
+
+def is_release_root(d: str) -> bool:
+    """A TurboH3 release folder: ``adaln/`` beside ``manifest.json``, ``transformer/`` or ``w8a8/`` (the card's
+    layout)."""
+    return os.path.exists(os.path.join(d, "adaln")) and (
+        os.path.isfile(os.path.join(d, "manifest.json")) or os.path.isdir(os.path.join(d, "transformer"))
+        or os.path.isdir(os.path.join(d, "w8a8")))
+
+
+def release_root_of(path: str) -> str | None:
+    """The release folder a file or index lies in (its own folder or up to :data:`RELEASE_ROOT_DEPTH` folders above,
+    e.g. ``ROOT/w8a8/model_w8a8.safetensors`` or ``ROOT/transformer/*.index.json`` -> ``ROOT``), else None."""
+    d = os.path.dirname(os.path.abspath(path))
+    for _ in range(RELEASE_ROOT_DEPTH + 1):
+        if is_release_root(d):
+            return d
+        up = os.path.dirname(d)
+        if up == d:
+            break
+        d = up
+    return None
+
+
 def find_release(path: str) -> Release:
-    """Resolve a file, an index or a release folder. CheckpointError when nothing loadable is there."""
+    """Resolve a file, an index or a release folder. A file or index inside a release folder (:func:`release_root_of`)
+    gets that release's ``adaln/`` and ``manifest.json`` (its weights stay the file picked). CheckpointError when
+    nothing loadable is there."""
     path = os.path.abspath(path)
     if os.path.isfile(path):
         rel = Release(path)
@@ -61,6 +90,11 @@ def find_release(path: str) -> Release:
             rel.bf16 = path
         else:
             rel.w8a8 = path  # decided by detection: a float file is used as the BF16 weights
+        root = release_root_of(path)
+        if root is not None:
+            rel.root, rel.adaln = root, os.path.join(root, "adaln")
+            if os.path.isfile(os.path.join(root, "manifest.json")):
+                rel.manifest = os.path.join(root, "manifest.json")
         return rel
     if not os.path.isdir(path):
         raise CheckpointError(path, "not found", expected="a .safetensors file, a *.safetensors.index.json or a "
@@ -713,3 +747,160 @@ def iter_core(det: DMDDetection, adaln: bool = True, progress: Callable[[int, in
                 yield f"{s}.bias", get(lay.bias)
             if progress is not None:
                 progress(done, total)
+
+
+# --------------------------------------------------------------------------------------------- the release's adaln/
+
+#: the TurboH3 card's verified schedule: i2va, 5 sigma points (4 updates), video shift 12, audio shift 3
+I2VA_PLAN = {"task": "i2va", "steps": 5, "video_shift": 12.0, "audio_shift": 3.0}
+RELEASE_ROWS_LAYOUT = "turboh3_release_rows"
+_BLOCK_RE = re.compile(r"(?:^|[._])(?:transformer_blocks|blocks|block|layers|layer)[._]?(\d+)(?:[._]|$)")
+_STEPS_KEYS = ("steps", "num_inference_steps", "num_steps", "sigma_points")
+_VSHIFT_KEYS = ("video_shift", "flow_shift", "shift", "sigma_shift_video", "video_flow_shift")
+_ASHIFT_KEYS = ("audio_shift", "audio_flow_shift", "sigma_shift_audio")
+
+
+def i2va_plan_timesteps(steps: int = 5, shift_video: float = 12.0, shift_audio: float = 3.0,
+                        cond: float = 0.999) -> list[float]:
+    """The rows of the i2va plan as diffusers' ``MiniMaxH3Scheduler`` and modular pipeline key them: per update the
+    sorted distinct {t_video, t_audio, max(t_video, cond)}, ``t = fp32(1 - sigma)``, ``sigma = s*b/(1+(s-1)*b)`` on
+    ``b = linspace(1, 0, steps)`` in fp32 (``steps`` sigma points incl. 0). 5 / 12 / 3: step 0 {0, 0.999}, steps 1-3
+    {t_v, t_a, 0.999}: 11 rows."""
+    b = torch.linspace(1.0, 0.0, int(steps), dtype=torch.float32)
+    out: list[float] = []
+    sv, sa = (s * b / (1 + (s - 1) * b) for s in (shift_video, shift_audio))
+    for i in range(int(steps) - 1):
+        tv, ta = float(1.0 - sv[i]), float(1.0 - sa[i])
+        out += sorted({tv, ta, max(tv, float(torch.tensor(cond, dtype=torch.float32)))})
+    return out
+
+
+def _increasing_runs(ts: list[float]) -> list[list[int]]:
+    runs: list[list[int]] = []
+    for i, t in enumerate(ts):
+        if runs and t > ts[runs[-1][-1]]:
+            runs[-1].append(i)
+        else:
+            runs.append([i])
+    return runs
+
+
+def _json_values(md: dict) -> dict:
+    out = {}
+    for k, v in md.items():
+        if isinstance(v, str):
+            try:
+                v = json.loads(v)
+            except ValueError:
+                pass
+        out[k] = v
+        if isinstance(v, dict):                # one level of nesting ("schedule": {...}, "table": {...})
+            for k2, v2 in v.items():
+                out.setdefault(k2, v2)
+    return out
+
+
+def _first(d: dict, keys):
+    return next((d[k] for k in keys if k in d), None)
+
+
+def read_release_rows(path: str):
+    """The inferred layout of the TurboH3 release's ``adaln/`` (its format is not public; docs/turboh3.md, "AdaLN
+    table layouts"): one ``.safetensors`` (``path`` or the only one in folder ``path``, ``*.json`` beside it read as
+    metadata) holding R rows of AdaLN outputs: per DiT block one tensor named with its block index (``[R, 18H]``,
+    ``[3R, 6H]``, ``[R, 3, 6H]`` or ``[R, 3, 6, H]``: the linear output in core's / diffusers' row order), or one
+    stacked ``[L, ...]`` tensor of those, and the final layer's ``[R, 2H]`` / ``[R, 2, H]`` (a name with ``norm_out``
+    or ``final``). The R timesteps: a 1-D float tensor named ``*timestep*``, else a ``timesteps`` list in the
+    metadata / JSON, else the i2va plan (:func:`i2va_plan_timesteps`) when the metadata names its schedule (5 points,
+    shifts 12/3) and R = 11. Timestep groups = the maximal increasing runs of the rows (one per update).
+    Returns (AdaLNTable, None), or (None, why it is not this layout)."""
+    from ..runtime.adaln import AdaLNTable, _bits
+
+    if os.path.isdir(path):
+        files = sorted(os.listdir(path))
+        st = [f for f in files if f.endswith(".safetensors")]
+        if len(st) != 1:
+            return None, f"the release layout has one .safetensors in adaln/ ({len(st)} found)"
+        file, jsons = os.path.join(path, st[0]), [os.path.join(path, f) for f in files if f.endswith(".json")]
+    else:
+        file, jsons = path, []
+    hdr = read_header(file)
+    md = _json_values(dict(hdr.metadata))
+    for j in jsons:
+        try:
+            with open(j, encoding="utf-8") as f:
+                obj = json.load(f)
+        except (OSError, ValueError):
+            continue
+        if isinstance(obj, dict):
+            for k, v in _json_values(obj).items():
+                md.setdefault(k, v)
+    T = hdr.tensors
+    final = [t for k, t in T.items() if ("norm_out" in k or "final" in k) and len(t.shape) in (2, 3)]
+    if len(final) != 1:
+        return None, f"no single final-layer tensor (a name with norm_out / final; {len(final)} found)"
+    fin = final[0]
+    R = fin.shape[0]
+    if len(fin.shape) == 3 and fin.shape[1] != 2 or len(fin.shape) == 2 and fin.shape[1] % 2:
+        return None, f"final-layer tensor {fin.name} {list(fin.shape)} is not [R, 2 x hidden] or [R, 2, hidden]"
+    H = fin.shape[2] if len(fin.shape) == 3 else fin.shape[1] // 2
+    ok_block = {(R, 18 * H), (3 * R, 6 * H), (R, 3, 6 * H), (R, 3, 6, H)}
+    ts_t = [t for k, t in T.items() if "timestep" in k.lower() and len(t.shape) == 1]
+    skip = {fin.name} | {t.name for t in ts_t}
+    blocks: dict[int, object] = {}
+    stacked = None
+    for k, t in T.items():
+        if k in skip:
+            continue
+        m = _BLOCK_RE.search(k)
+        if m and tuple(t.shape) in ok_block:
+            if int(m.group(1)) in blocks:
+                return None, f"two tensors for block {m.group(1)}: {blocks[int(m.group(1))].name}, {k}"
+            blocks[int(m.group(1))] = t
+        elif len(t.shape) >= 3 and tuple(t.shape[1:]) in ok_block and stacked is None:
+            stacked = t
+        else:
+            return None, (f"tensor {k} {t.dtype} {list(t.shape)} fits neither a block's rows {sorted(ok_block)} nor "
+                          f"a stacked [L, ...] of them (R = {R} rows, hidden {H} from {fin.name} {list(fin.shape)})")
+    if blocks and stacked is not None or not blocks and stacked is None:
+        return None, "per-block tensors and a stacked one, or neither"
+    L = stacked.shape[0] if stacked is not None else len(blocks)
+    if stacked is None and sorted(blocks) != list(range(L)):
+        return None, f"block indices {sorted(blocks)[:8]}... are not 0..{L - 1}"
+    # ---- the timesteps
+    how = None
+    if len(ts_t) == 1 and ts_t[0].shape == (R,) and ts_t[0].dtype in ("F32", "F64", "BF16", "F16"):
+        src = ts_t[0]
+        how = f"tensor {src.name}"
+    elif isinstance(md.get("timesteps"), list) and len(md["timesteps"]) == R:
+        ts = [float(x) for x in md["timesteps"]]
+        how = "metadata 'timesteps'"
+    else:
+        steps, sv, sa = _first(md, _STEPS_KEYS), _first(md, _VSHIFT_KEYS), _first(md, _ASHIFT_KEYS)
+        try:
+            plan = (int(steps), float(sv), float(sa)) == (5, 12.0, 3.0)
+        except (TypeError, ValueError):
+            plan = False
+        if not (plan and R == 11):
+            return None, (f"no timesteps: no 1-D '*timestep*' tensor of {R} values, no 'timesteps' list of {R} in "
+                          f"the metadata, and no i2va schedule (steps {steps}, shifts {sv}/{sa}; 11 rows) to derive "
+                          "them from")
+        ts = i2va_plan_timesteps()
+        how = "the i2va plan of its metadata (5 points, shifts 12/3, t = fp32(1 - sigma))"
+    from .safetensors_io import open_tensors
+
+    with open_tensors(file, header=hdr) as r:
+        if how.startswith("tensor"):
+            ts = r.get_tensor(src.name).float().tolist()
+        fin_t = r.get_tensor(fin.name).reshape(R, 2 * H)
+        if stacked is not None:
+            st_t = r.get_tensor(stacked.name)
+            rows = [st_t[i].reshape(R, 18 * H) for i in range(L)]
+        else:
+            rows = [r.get_tensor(blocks[i].name).reshape(R, 18 * H) for i in range(L)]
+    runs = _increasing_runs(ts)
+    bits = _bits(ts)
+    groups = [tuple(bits[i] for i in run) for run in runs]
+    meta = {k: v for k, v in md.items() if isinstance(v, (str, int, float, bool))}
+    meta.update(timesteps_from=how, file=os.path.basename(file))
+    return AdaLNTable(path, RELEASE_ROWS_LAYOUT, H, groups, [run[0] for run in runs], rows, fin_t, meta), None

@@ -56,11 +56,22 @@ def model_options() -> dict[str, str]:
     return dict(sorted(out.items()))
 
 
+def release_tables() -> dict[str, str]:
+    """{combo name: path} of the ``adaln/`` tables of the release folders under ``diffusion_models``
+    (``<release>/adaln/``, e.g. ``TurboH3-FL2VA-I2VA/adaln/``)."""
+    out = {}
+    for name, p in model_options().items():
+        if name.endswith("/") and os.path.exists(os.path.join(p, "adaln")):
+            out[name + "adaln/"] = os.path.join(p, "adaln")
+    return out
+
+
 def adaln_options() -> list[str]:
+    """``auto``, ``none``, the release tables (:func:`release_tables`) and the files of ``models/h3turbo_adaln``."""
     import folder_paths
 
     _register_adaln_folder()
-    return [ADALN_AUTO, ADALN_NONE] + folder_paths.get_filename_list(ADALN_FOLDER)
+    return [ADALN_AUTO, ADALN_NONE] + list(release_tables()) + folder_paths.get_filename_list(ADALN_FOLDER)
 
 
 def _resolve(model_name: str) -> str:
@@ -74,6 +85,9 @@ def _resolve(model_name: str) -> str:
 def _adaln_path(adaln: str) -> str:
     if adaln in (ADALN_AUTO, ADALN_NONE):
         return adaln
+    rel = release_tables()
+    if adaln in rel:
+        return rel[adaln]
     import folder_paths
 
     _register_adaln_folder()
@@ -99,8 +113,11 @@ class H3TurboDMDLoader(io.ComfyNode):
             inputs=[
                 io.Combo.Input("model_name", options=list(model_options())),
                 io.Combo.Input("adaln", options=adaln_options(), default=ADALN_AUTO, optional=True,
-                               tooltip="auto: the release's adaln/ table (or the weights' own AdaLN); none: compute "
-                                       "from the weights; or a table file."),
+                               tooltip="auto: the adaln/ table of the release the model lies in (for a W8A8 file or an "
+                                       "index inside a release folder too; else the weights' own AdaLN); none: compute "
+                                       "from the weights; or a release's adaln/ folder or a table file from "
+                                       "models/h3turbo_adaln. Tables are looked up by their timesteps (|dt| <= 2e-6), "
+                                       "never interpolated."),
                 io.Combo.Input("compute", options=list(COMPUTE_CHOICES), default="auto", optional=True,
                                tooltip="auto: int8 on CUDA GPUs (sm_80+ with Triton), else reference (BF16 weights when the folder has "
                                        "them). exact / fp8 / blackwell_fp4: BF16 weights quantized to NVFP4 on load."),

@@ -12,8 +12,8 @@ those outputs for given timesteps, so the 13 B AdaLN parameters need not be load
   else :class:`~h3_turbo.errors.CheckpointError` naming the table and the timestep; never an interpolation;
 - readers (:func:`read_table`, by detection): the pack's own format (one safetensors file + JSON metadata, written
   by :func:`write_table`), LightX2V's ``adaln_cache.safetensors`` + ``manifest.json`` and its per-block
-  ``block_XXX.safetensors`` + ``norm_out.safetensors`` + ``READY`` variant; anything else is refused with what was
-  found;
+  ``block_XXX.safetensors`` + ``norm_out.safetensors`` + ``READY`` variant, the TurboH3 release's inferred row
+  layout (``formats.dmd.read_release_rows``); anything else is refused with what was found;
 - :func:`timestep_groups`: the groups a schedule's forwards use with H3 Turbo Sigmas + H3 Turbo Sampler (with and
   without the visual condition rows at 0.999), reproducing core's fp32 arithmetic;
 - :func:`compute_table`: the rows from BF16 (or NVFP4-file) weights with core's own ``TimeEmbedder`` / ``AdalnProj``
@@ -524,7 +524,10 @@ def read_table(path: str) -> AdaLNTable:
         hdr = read_header(path)
         if hdr.metadata.get("format") == FORMAT:
             return _ours(path)
-        raise CheckpointError(path, "unknown AdaLN table layout: " + _found_file(hdr),
+        table, why = _release_rows(path)
+        if table is not None:
+            return table
+        raise CheckpointError(path, f"unknown AdaLN table layout: {_found_file(hdr)}; {why}",
                               expected=_EXPECTED_LAYOUTS)
     if not os.path.isdir(path):
         raise CheckpointError(path, "AdaLN table not found", expected="a table file or folder")
@@ -545,12 +548,25 @@ def read_table(path: str) -> AdaLNTable:
                 pass
     if len(ours) == 1:
         return _ours(os.path.join(path, ours[0]))
-    raise CheckpointError(path, "unknown AdaLN table layout: " + _found_dir(path, files), expected=_EXPECTED_LAYOUTS)
+    table, why = _release_rows(path)
+    if table is not None:
+        return table
+    raise CheckpointError(path, f"unknown AdaLN table layout: {_found_dir(path, files)}; {why}",
+                          expected=_EXPECTED_LAYOUTS)
+
+
+def _release_rows(path: str):
+    from ..formats.dmd import read_release_rows   # the TurboH3 release's inferred layout (formats/dmd.py)
+
+    table, why = read_release_rows(path)
+    return table, f"not the inferred TurboH3 release layout: {why}" if why else None
 
 
 _EXPECTED_LAYOUTS = ("one of: the pack's format (a .safetensors with __metadata__ format=h3_turbo_adaln_table; "
                      "`python -m h3_turbo.tools adaln-table`), LightX2V adaln_cache.safetensors + manifest.json, "
-                     "LightX2V block_XXX.safetensors + norm_out.safetensors + manifest.json (+ READY)")
+                     "LightX2V block_XXX.safetensors + norm_out.safetensors + manifest.json (+ READY), the inferred "
+                     "TurboH3 release layout (one .safetensors of per-block rows [R, 18 x hidden] and final rows "
+                     "[R, 2 x hidden], with R timesteps; docs/turboh3.md)")
 
 
 def _found_file(hdr) -> str:

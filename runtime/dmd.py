@@ -253,9 +253,14 @@ def _table(rel: fdmd.Release, adaln: str, det) -> adaln_mod.AdaLNTable | None:
         if rel.adaln is None:
             if det.has_adaln:
                 return None
-            raise CheckpointError(det.path, "no AdaLN weights and no adaln/ table beside them",
+            raise CheckpointError(det.path, "no AdaLN weights and no adaln/ table beside them (no release folder "
+                                            f"with adaln/ in this file's folder or up to {fdmd.RELEASE_ROOT_DEPTH} "
+                                            "folders above)",
                                   expected="the release folder (with adaln/), or an AdaLN table picked in 'adaln'")
         try:
+            if rel.root is not None and rel.root != rel.path:
+                log_once(("dmd-release-adaln", rel.path), "Load TurboH3 DMD Model: %s lies in the release folder %s; "
+                         "adaln=auto uses its AdaLN table %s", rel.path, rel.root, rel.adaln)
             return adaln_mod.read_table(rel.adaln)
         except CheckpointError as e:
             hint = " Set adaln=none to compute the AdaLN from the BF16 weights." if det.has_adaln else ""

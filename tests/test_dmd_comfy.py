@@ -185,8 +185,11 @@ def test_renoise_reproduces_with_its_seed_and_differs_from_euler(comfy, release)
     assert _rel(a[0], c[0]) > 1e-3 and _rel(a[0], e[0]) > 1e-3
 
 
-def test_dmd_contract_lora_refusal_and_missing_table(comfy, release):
+def test_dmd_contract_lora_refusal_and_missing_table(comfy, release, tmp_path):
+    import shutil
+
     from h3_turbo.errors import CheckpointError, TurboLoRAError
+    from h3_turbo.runtime.dmd import load_dmd_model
     from h3_turbo.nodes.dmd import H3TurboDMDLoader
     from h3_turbo.nodes.lora import H3TurboLoRA
 
@@ -196,8 +199,11 @@ def test_dmd_contract_lora_refusal_and_missing_table(comfy, release):
     with pytest.raises(TurboLoRAError, match="TurboH3 DMD model .* takes no Turbo LoRA"):
         H3TurboLoRA.execute(mp, "4step", 1.0)
     assert H3TurboLoRA.execute(mp, "none", 1.0)[0] is mp
-    with pytest.raises(CheckpointError, match="model_w8a8.safetensors: no AdaLN weights and no adaln/ table"):
-        H3TurboDMDLoader.execute(W8A8, "auto", "int8")
+    lone = tmp_path / "model_w8a8.safetensors"                     # outside any release folder
+    shutil.copy(release["w8a8"], lone)
+    with pytest.raises(CheckpointError, match=r"model_w8a8.safetensors: no AdaLN weights and no adaln/ table beside "
+                                              r"them \(no release folder with adaln/ in this file's folder or up to 2"):
+        load_dmd_model(str(lone), "auto", "int8")
     with pytest.raises(CheckpointError, match="adaln=none computes the AdaLN from the weights, but these weights have none"):
         H3TurboDMDLoader.execute(FOLDER, "none", "int8")
 
@@ -278,3 +284,70 @@ def test_bf16_dmd_quantized_to_nvfp4_on_load(comfy, release, monkeypatch, path):
         want = _sample(comfy, _dmd(INDEX, "none"), update)
         got = _sample(comfy, _dmd(FOLDER, "auto", path), update)       # the folder: BF16 weights + adaln/ table
         assert not _eq(got[0], want[0]) and _rel(got[0], want[0]) < 0.03 and _rel(got[1], want[1]) < 0.03  # ~0.45%
+
+
+# ---- issue 40: the release as it ships (files inside the release folder, the inferred 11-row adaln/ layout)
+
+ROWS = f"{SUB}/TurboH3-rows/"
+
+
+@pytest.fixture(scope="module")
+def release_rows(comfy, release, fixtures_dir):
+    """A second release folder: the same transformer/ and w8a8/, its adaln/ in the inferred release layout (11 rows
+    of the i2va plan keyed by diffusers' fp32(1 - sigma), BF16, per-block [3R, 6H], the schedule in the metadata)."""
+    import shutil
+
+    from h3_turbo.tools.release import make_release_rows_table, write_manifest
+
+    root = os.path.join(fixtures_dir["root"], "diffusion_models", SUB, "TurboH3-rows")
+    for d in ("transformer", "w8a8"):
+        shutil.copytree(os.path.join(release["root"], d), os.path.join(root, d))
+    make_release_rows_table(release["index"], os.path.join(root, "adaln"), dtype="bf16")
+    write_manifest(root)
+    return root
+
+
+def test_files_inside_a_release_use_its_adaln_table(comfy, release):
+    """adaln=auto with the W8A8 file or the BF16 index picked inside the release folder: the release's adaln/
+    table, the same samples as the folder itself (same weights, same table)."""
+    from h3_turbo.nodes.dmd import adaln_options
+
+    assert f"{SUB}/TurboH3-tiny/adaln/" in adaln_options()
+    by_file = _sample(comfy, _dmd(W8A8, "auto", "int8"), "euler")
+    by_folder = _sample(comfy, _dmd(FOLDER, "auto", "int8"), "euler")
+    assert _eq(by_file[0], by_folder[0]) and _eq(by_file[1], by_folder[1])
+    by_index = _sample(comfy, _dmd(INDEX, "auto"), "euler")
+    picked = _sample(comfy, _dmd(INDEX, f"{SUB}/TurboH3-tiny/adaln/"), "euler")      # the combo's release entry
+    ref = _sample(comfy, _dmd(FOLDER, "auto", "reference"), "euler")
+    assert _eq(by_index[0], ref[0]) and _eq(picked[0], ref[0]) and _eq(by_index[1], ref[1])
+
+
+def test_release_rows_layout_loads_and_samples(comfy, release, release_rows, monkeypatch):
+    """The inferred 11-row layout is detected and read; core's forwards find their rows by the nearest key (the audio
+    timestep 16 ulp / 4 ulp away from fp32(1 - sigma)); samples stay within BF16 rounding of the weight-driven
+    AdaLN. Negative control: with the tolerance at 0 core's step-1 audio timestep is refused."""
+    from h3_turbo.errors import CheckpointError
+    from h3_turbo.nodes.dmd import adaln_options
+    from h3_turbo.runtime import adaln as A
+
+    table = A.read_table(os.path.join(release_rows, "adaln"))
+    assert (table.layout, table.rows, [len(g) for g in table.groups]) == ("turboh3_release_rows", 11, [2, 3, 3, 3])
+    assert f"{ROWS}adaln/" in adaln_options()
+    core_groups = A.timestep_groups(A.schedule("dmd"), conds=(A.VISUAL_COND_T,))
+    assert len(core_groups) == 4
+    A.LOOKUPS.clear()
+    for g in core_groups:
+        table.rows_for(torch.tensor(g, dtype=torch.float32))
+    assert A.LOOKUPS["nearest"] >= 2 and A.LOOKUPS["composed"] == 0          # steps 1 and 2: audio t off by ulps
+    with monkeypatch.context() as mp:
+        mp.setattr(A, "TOLERANCE", 0.0)
+        with pytest.raises(CheckpointError, match=r"timestep 0.10000014305114746 .* the nearest stored timestep is "
+                                                  r"0.10000002384185791 .*\|dt\| = 1.19e-07 > the tolerance 0"):
+            table.rows_for(torch.tensor(core_groups[1], dtype=torch.float32))
+    ref = _sample(comfy, _dmd(INDEX, "none"), "euler")
+    for loader in (_dmd(ROWS, "auto", "reference"), _dmd(INDEX, f"{ROWS}adaln/")):
+        got = _sample(comfy, loader, "euler")
+        assert not _eq(got[0], ref[0]) and _rel(got[0], ref[0]) < 0.02 and _rel(got[1], ref[1]) < 0.02
+    w8 = _sample(comfy, _dmd(f"{ROWS}w8a8/model_w8a8.safetensors", "auto", "int8"), "renoise")
+    ref8 = _sample(comfy, _dmd(INDEX, "none"), "renoise")
+    assert _rel(w8[0], ref8[0]) < 0.03 and _rel(w8[1], ref8[1]) < 0.03

@@ -238,7 +238,9 @@ def test_own_table_lookup_exact_group_composed_or_refused(tmp_path, caplog):
     assert any("not stored as one batch" in r.getMessage() for r in caplog.records)
     with pytest.raises(CheckpointError, match=r"t.safetensors: timestep 0.75 \(fp32 bits 0x3f400000\) of this forward "
                                               r"is not in the AdaLN table t.safetensors \(h3_turbo: 2 blocks, 3 timestep "
-                                              r"groups, timesteps 0, 0.25, 0.5, 0.999\); .* never interpolated"):
+                                              r"groups, timesteps 0, 0.25, 0.5, 0.999\): the nearest stored timestep is "
+                                              r"0.9990000128746033 \(fp32 bits 0x3f7fbe77\), \|dt\| = 0.249 > the "
+                                              r"tolerance 2e-06; .* never interpolated"):
         t.rows_for(torch.tensor([0.5, 0.75]))
     with pytest.raises(CheckpointError, match="AdaLN table for 2 blocks x hidden 4, the model has 50 x 5376"):
         t.check_fits(50, 5376, need_final=True)

@@ -362,6 +362,42 @@ def make_adaln_table(model: str, sched_spec: str, out: str, dtype: str = "bf16",
     return meta
 
 
+def make_release_rows_table(model: str, out_dir: str, dtype: str = "bf16", device: str = "cpu",
+                            stacked: bool = False) -> dict:
+    """An AdaLN table in the TurboH3 release's inferred layout (``formats.dmd.read_release_rows``; the real layout
+    is not public) under ``out_dir``: ``adaln.safetensors`` with ``transformer_blocks.{i}.adaln`` [3R, 6H] (the
+    diffusers view of the linear output; ``stacked``: one ``adaln`` [L, R, 18H]) and ``norm_out.adaln`` [R, 2H] in
+    ``dtype``, no timesteps tensor, the schedule in ``__metadata__`` and ``adaln.json`` (``timestep_mlp_dtype``
+    float32): the 11 rows of the i2va plan keyed by diffusers' fp32(1 - sigma) (:func:`~h3_turbo.formats.dmd.
+    i2va_plan_timesteps`), computed with core's modules one update's group per batch. Needs ComfyUI importable."""
+    from ..runtime import adaln as A
+    from safetensors.torch import save_file
+
+    ensure_comfy(device)
+    dt = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[dtype]
+    ts = fdmd.i2va_plan_timesteps()
+    groups = [tuple(ts[i] for i in run) for run in fdmd._increasing_runs(ts)]
+    dims, get, close, name = adaln_weight_source(model)
+    try:
+        blocks, final, sha = A.compute_rows(get, dims, groups, dt, device)
+    finally:
+        close()
+    H, R = dims["hidden"], len(ts)
+    if stacked:
+        sd = {"adaln": torch.stack(blocks).contiguous()}
+    else:
+        sd = {f"transformer_blocks.{i}.adaln": b.reshape(3 * R, 6 * H).contiguous() for i, b in enumerate(blocks)}
+    sd["norm_out.adaln"] = final.contiguous()
+    meta = {"task": "i2va", "steps": "5", "video_shift": "12.0", "audio_shift": "3.0", "timestep_mlp_dtype": "float32",
+            "dtype": dtype, "model": name, "weights_sha256": sha,
+            "note": "h3_turbo test fixture in the inferred TurboH3 release layout"}
+    os.makedirs(out_dir, exist_ok=True)
+    save_file(sd, os.path.join(out_dir, "adaln.safetensors"), metadata=meta)
+    with open(os.path.join(out_dir, "adaln.json"), "w", encoding="utf-8") as f:
+        json.dump(meta, f, indent=1)
+    return {"path": out_dir, "timesteps": ts, "groups": groups, "meta": meta}
+
+
 # --------------------------------------------------------------------------------------------- the tiny release
 
 def _save_aligned(sd, path, metadata=None):

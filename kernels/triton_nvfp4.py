@@ -66,7 +66,10 @@ def _nvfp4_gemm_kernel(x_ptr, q_ptr, s_ptr, gs_ptr, out_ptr, h_ptr, b_ptr, lora_
     the dequantized W is the register (A) operand of the tensor-core MMA (no shared-memory round trip).
     W is read from ComfyUI's NATIVE storage: qdata byte j of a row holds elements 2j (high nibble) and 2j+1;
     block scales in the cuBLAS to_blocked layout (NCB4 = its column count / 4). Each 128-column block is two
-    64-column MMA operands (elements 0..63, then 64..127)."""
+    64-column MMA operands in permuted K order: the high nibbles (elements 0, 2, .., 126) against x's even
+    columns, then the low nibbles against the odd columns. Both operands are plain 2-D [rows, 64] tiles decoded
+    elementwise from a [BN, 64] byte tile: no join/reshape feeds an MMA operand (Triton 3.6 cannot give such a
+    value the shared-memory layout the Hopper MMA reads, docs/kernels.md "GPU conformance")."""
     pid = tl.program_id(0)
     num_pid_m = tl.cdiv(M, BM)
     num_pid_n = tl.cdiv(N, BN)
@@ -81,15 +84,15 @@ def _nvfp4_gemm_kernel(x_ptr, q_ptr, s_ptr, gs_ptr, out_ptr, h_ptr, b_ptr, lora_
     offs_n = pid_n * BN + tl.arange(0, BN)
     rm = offs_m % M
     rn = offs_n % N
-    ak = tl.arange(0, 64)
-    g4 = tl.arange(0, 4)
-    j8 = tl.arange(0, 8)
-    # bytes [BN, 4 scale groups, 8 bytes] of one 64-column half: byte j of group g = elements 16g+2j, 16g+2j+1
-    q_ptrs = q_ptr + rn[:, None, None] * stride_q + g4[None, :, None] * 8 + j8[None, None, :]
+    jj = tl.arange(0, 64)
+    g8 = tl.arange(0, 8)
+    # bytes [BN, 64] of one 128-column block: byte j holds elements 2j (high nibble) and 2j + 1 (low nibble)
+    q_ptrs = q_ptr + rn[:, None] * stride_q + jj[None, :]
     # swizzled scale offset of (row n, column c): tile (n//128, c//4), inside: (n%32)*16 + ((n%128)//32)*4 + c%4;
-    # the 4 scale columns of half h of block kb are the tile column 2*kb + h, entries 0..3
-    s_ptrs = s_ptr + ((rn // 128) * (NCB4 * 512) + (rn % 32) * 16 + ((rn % 128) // 32) * 4)[:, None] + g4[None, :]
-    x_ptrs = x_ptr + rm[:, None] * stride_xm + ak[None, :]
+    # the 8 scale columns of block kb are tile columns 2*kb (entries 0..3) and 2*kb + 1 (entries 0..3)
+    s_ptrs = (s_ptr + ((rn // 128) * (NCB4 * 512) + (rn % 32) * 16 + ((rn % 128) // 32) * 4)[:, None]
+              + ((g8 // 4) * 512 + g8 % 4)[None, :])
+    x_ptrs = x_ptr + rm[:, None] * stride_xm + 2 * jj[None, :]
     gs = tl.load(gs_ptr)
     if SWAP:
         acc = tl.zeros((BN, BM), dtype=tl.float32)
@@ -98,32 +101,27 @@ def _nvfp4_gemm_kernel(x_ptr, q_ptr, s_ptr, gs_ptr, out_ptr, h_ptr, b_ptr, lora_
     for kb in range(0, NKB):
         k0 = kb * 128
         if EVEN_K:
-            pa = tl.load(q_ptrs).to(tl.int32)
-            pb = tl.load(q_ptrs + 32).to(tl.int32)
-            sa = _e4m3_x2p14(tl.load(s_ptrs).to(tl.int32))
-            sb = _e4m3_x2p14(tl.load(s_ptrs + 512).to(tl.int32))
-            xa = tl.load(x_ptrs)
-            xb = tl.load(x_ptrs + 64)
+            p = tl.load(q_ptrs).to(tl.int32)
+            s8 = tl.load(s_ptrs).to(tl.int32)
+            xe = tl.load(x_ptrs)
+            xo = tl.load(x_ptrs + 1)
         else:
-            # K % 16 == 0: a scale group of 16 columns is all in or all out
-            ma = (k0 + g4 * 16) < K
-            mb = (k0 + 64 + g4 * 16) < K
-            pa = tl.load(q_ptrs, mask=ma[None, :, None], other=0).to(tl.int32)
-            pb = tl.load(q_ptrs + 32, mask=mb[None, :, None], other=0).to(tl.int32)
-            sa = _e4m3_x2p14(tl.load(s_ptrs, mask=ma[None, :], other=0).to(tl.int32))
-            sb = _e4m3_x2p14(tl.load(s_ptrs + 512, mask=mb[None, :], other=0).to(tl.int32))
-            xa = tl.load(x_ptrs, mask=(k0 + ak)[None, :] < K, other=0.0)
-            xb = tl.load(x_ptrs + 64, mask=(k0 + 64 + ak)[None, :] < K, other=0.0)
-        wa = tl.join((_e2m1_x2m14(pa >> 4) * sa[:, :, None]) * gs, (_e2m1_x2m14(pa & 15) * sa[:, :, None]) * gs)
-        wb = tl.join((_e2m1_x2m14(pb >> 4) * sb[:, :, None]) * gs, (_e2m1_x2m14(pb & 15) * sb[:, :, None]) * gs)
-        w_a = tl.reshape(_cast(wa, x_ptr.dtype.element_ty, INTERP), (BN, 64))
-        w_b = tl.reshape(_cast(wb, x_ptr.dtype.element_ty, INTERP), (BN, 64))
+            # K % 16 == 0: a scale group of 16 columns (8 bytes) is all in or all out
+            mj = (k0 + 2 * jj) < K
+            p = tl.load(q_ptrs, mask=mj[None, :], other=0).to(tl.int32)
+            s8 = tl.load(s_ptrs, mask=((k0 + g8 * 16) < K)[None, :], other=0).to(tl.int32)
+            xe = tl.load(x_ptrs, mask=mj[None, :], other=0.0)
+            xo = tl.load(x_ptrs + 1, mask=mj[None, :], other=0.0)
+        # the scale of byte j (group j // 8), broadcast to [BN, 64]; gs applied after, as in the reference
+        sj = tl.reshape(tl.broadcast_to(_e4m3_x2p14(s8)[:, :, None], (BN, 8, 8)), (BN, 64))
+        w_e = _cast((_e2m1_x2m14(p >> 4) * sj) * gs, x_ptr.dtype.element_ty, INTERP)
+        w_o = _cast((_e2m1_x2m14(p & 15) * sj) * gs, x_ptr.dtype.element_ty, INTERP)
         if SWAP:
-            acc = _mma(w_a, tl.trans(xa), acc, INTERP)
-            acc = _mma(w_b, tl.trans(xb), acc, INTERP)
+            acc = _mma(w_e, tl.trans(xe), acc, INTERP)
+            acc = _mma(w_o, tl.trans(xo), acc, INTERP)
         else:
-            acc = _mma(xa, tl.trans(w_a), acc, INTERP)
-            acc = _mma(xb, tl.trans(w_b), acc, INTERP)
+            acc = _mma(xe, tl.trans(w_e), acc, INTERP)
+            acc = _mma(xo, tl.trans(w_o), acc, INTERP)
         q_ptrs += 64
         s_ptrs += 1024
         x_ptrs += 128

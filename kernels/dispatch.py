@@ -10,13 +10,16 @@ registry (:mod:`.registry`) orders and resolves them. This module adds what is c
   ``qkv_blocks`` rank-r products (formula: docs/h3-facts.md, "Turbo LoRA"); the branch sees x itself,
   never a smoothed x. A path computes base and LoRA together where it can (weight-side fold, fused
   epilogue); otherwise the unfused branch here adds ``h = A(x)`` and ``addmm_`` per block. Every call
-  counts its route in :data:`LORA_ROUTES`. The NVFP4 storage is never modified;
+  counts its route in :data:`LORA_ROUTES`. The NVFP4 storage is never modified. A path's combined kernel
+  that fails to build or launch for a shape sends that shape to the unfused branch, logged once
+  (:func:`.paths.base.run_kernel`);
 - :func:`lora_reference`: the float64 reference of the above (tests, benchmarks);
 - memory: :func:`prepared_bytes`, :func:`workspace_bytes`, :func:`release_workspace`.
 
 Errors: an impossible or unknown compute path raises :class:`h3_turbo.errors.NoCapablePathError`
 (never a silent fallback); shape mismatches raise ValueError. Inputs the kernels do not take (fp32,
-CPU) run the reference computation, logged once.
+CPU) run the reference computation, logged once; so does a layer shape whose kernel fails to build or
+launch (the compiler's text never becomes the user's error).
 """
 from __future__ import annotations
 
@@ -26,7 +29,7 @@ import torch.nn.functional as F
 from .. import state
 from . import nvfp4_ref as ref
 from . import registry
-from .paths.base import LoRAOperands, PackedNVFP4, PreparedPacked, release_work_buffers
+from .paths.base import LoRAOperands, PackedNVFP4, PreparedPacked, release_work_buffers, run_kernel
 from .paths.exact import PreparedExact
 from .paths.fp8 import PreparedFP8
 
@@ -124,7 +127,9 @@ def linear_with_lora(x: torch.Tensor, prepared, path: str, A: torch.Tensor, B: t
     out = None
     p = registry.get(path)
     if p.kernel and p.takes(x2d):
-        got = p.lora(x2d, prepared, LoRAOperands(a, bc, float(scale), nb, amax_a, fold_key))
+        ops = LoRAOperands(a, bc, float(scale), nb, amax_a, fold_key)
+        got = run_kernel(path, "base + LoRA", x2d, n, k, lambda: p.lora(x2d, prepared, ops), lambda: None,
+                         "the unfused LoRA branch")
         if got is not None:
             out, route = got
             _ROUTES.incr(route)

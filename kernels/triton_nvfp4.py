@@ -26,6 +26,7 @@ import triton
 import triton.language as tl
 
 from .. import state
+from .paths.base import rows_class as m_bucket
 from .triton_interp import round_to as _cast, to_e4m3 as _to_e4m3
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
@@ -194,13 +195,6 @@ class GemmSettings:
 
 
 SETTINGS = GemmSettings()
-
-
-def m_bucket(m: int) -> int:
-    b = 16
-    while b < m and b < 8192:
-        b *= 2
-    return b
 
 
 def gemm_exact(x2d: torch.Tensor, qdata: torch.Tensor, block_scale: torch.Tensor, gs: torch.Tensor,

@@ -139,3 +139,119 @@ def test_pickable_configs_cover_every_config_and_row_class():
         got = tk._prune(cfgs, {"M_BUCKET": b, "NB": 21504, "HAS_LORA": False})
         assert got and all(c.kwargs["BM"] <= max(16, b) for c in got), b
     assert {c.kwargs["BM"] for c in tk._prune(cfgs, {"M_BUCKET": 16, "NB": 64, "HAS_LORA": False})} == {16}
+
+
+# ------------------------------------------------------------------------------ a kernel that fails to build
+
+COMPILER_TEXT = ("PassManager::run failed\nIllegal shared layout; expected collapsed shapePerCTA to be at least "
+                 "[8, 64]\nLLVM ERROR: Illegal shared layout")
+
+
+@pytest.fixture
+def broken_gemm(monkeypatch):
+    """The exact path's fused GEMM made to fail as Triton 3.6 did on Hopper (its autotuner's run raises the
+    compiler's error), the path made to take CPU bf16 inputs as if they were on a GPU. Yields the call counter."""
+    from h3_turbo import state
+    from h3_turbo.kernels import triton_nvfp4 as tk
+    from h3_turbo.kernels.paths import base
+    from h3_turbo.kernels.paths.exact import PATH as EXACT
+
+    calls = []
+
+    def run(*a, **kw):
+        calls.append(1)
+        raise RuntimeError(COMPILER_TEXT)
+
+    monkeypatch.setattr(tk._gemm_tuned, "run", run)
+    monkeypatch.setattr(EXACT, "takes", lambda x2d: True)
+    monkeypatch.setattr(EXACT.settings, "strategy", "auto")
+    base.KERNEL_FAILURES.clear()
+    yield calls
+    base.KERNEL_FAILURES.clear()
+    for key in [k for k in state.LOGGED.data if isinstance(k, tuple) and k[:1] == ("kernel_failure",)]:
+        state.LOGGED.data.pop(key, None)
+
+
+def _warnings(caplog):
+    return [r.getMessage() for r in caplog.records if r.levelname == "WARNING" and "failed to build" in r.getMessage()]
+
+
+def test_a_gemm_that_fails_to_build_runs_the_reference_logged_once_per_shape(broken_gemm, caplog):
+    """compute=exact, 70 rows (the fused kernel's range): the build failure becomes the reference computation's bits,
+    one WARNING with the path, the shape and the compiler's FIRST line only; later calls of that shape's rows class
+    do not try the kernel again; another rows class tries it (and logs) once more."""
+    import logging
+
+    from h3_turbo.kernels.paths import base
+
+    n, k = 192, 256
+    p = make_packed(n, k, seed=4)
+    pr = dsp.prepare(p, "exact")
+    w = ref.dequant_exact(p.qdata, p.block_scale, p.global_scale, n, k, torch.bfloat16)
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(70, k, generator=g).to(torch.bfloat16)
+    with caplog.at_level(logging.INFO, logger="h3_turbo"):
+        y = dsp.linear(x, pr, "exact")
+        assert torch.equal(y, torch.nn.functional.linear(x, w))
+        assert len(broken_gemm) == 1
+        msgs = _warnings(caplog)
+        assert len(msgs) == 1, msgs
+        m = msgs[0]
+        for part in ("exact path", "linear", "70 rows (class <= 128)", "N=192 x K=256 bfloat16",
+                     "RuntimeError: PassManager::run failed", "the reference computation"):
+            assert part in m, (part, m)
+        assert "Illegal shared layout" not in m and "LLVM ERROR" not in m
+        # the same rows class: no new attempt, no new line, same numbers
+        x2 = torch.randn(100, k, generator=g).to(torch.bfloat16)
+        assert torch.equal(dsp.linear(x2, pr, "exact"), torch.nn.functional.linear(x2, w))
+        assert len(broken_gemm) == 1 and len(_warnings(caplog)) == 1
+        # another rows class (17..32 rows) is another tile choice: tried once, logged once
+        x3 = torch.randn(20, k, generator=g).to(torch.bfloat16)
+        assert torch.equal(dsp.linear(x3, pr, "exact"), torch.nn.functional.linear(x3, w))
+        assert len(broken_gemm) == 2 and len(_warnings(caplog)) == 2
+    assert base.KERNEL_FAILURES.snapshot()["entries"] == 2
+
+
+def test_a_fused_lora_epilogue_that_fails_to_build_runs_the_unfused_branch(broken_gemm, caplog):
+    """compute=exact with a Turbo LoRA (3 qkv blocks): the fused epilogue's build failure sends the call to the
+    unfused branch, whose base is the reference computation: the same bits as compute=reference."""
+    import logging
+
+    from h3_turbo.kernels.dispatch import LORA_ROUTES
+
+    n, k, r = 192, 256, 4
+    p = make_packed(n, k, seed=6)
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(40, k, generator=g).to(torch.bfloat16)
+    A = (torch.randn(3 * r, k, generator=g) * 0.05).to(torch.bfloat16)
+    B = (torch.randn(n, r, generator=g) * 0.05).to(torch.bfloat16)
+    before = LORA_ROUTES["unfused"]
+    with caplog.at_level(logging.INFO, logger="h3_turbo"):
+        y = dsp.linear_with_lora(x, dsp.prepare(p, "exact"), "exact", A, B, 0.75, 3)
+    want = dsp.linear_with_lora(x, dsp.prepare(p, "reference"), "reference", A, B, 0.75, 3)
+    assert torch.equal(y, want)
+    assert LORA_ROUTES["unfused"] == before + 2      # this call and the reference path's
+    msgs = _warnings(caplog)
+    assert len(msgs) == 2, msgs
+    assert "base + LoRA" in msgs[0] and "the unfused LoRA branch" in msgs[0]
+    assert "linear" in msgs[1] and "the reference computation" in msgs[1]
+
+
+def test_errors_that_are_not_build_failures_propagate(broken_gemm, monkeypatch):
+    """Negative control: a ValueError (the pack's own input checks) and out-of-memory are not build failures; they
+    reach the caller unchanged and record nothing."""
+    from h3_turbo.kernels import triton_nvfp4 as tk
+    from h3_turbo.kernels.paths import base
+
+    n, k = 64, 128
+    pr = dsp.prepare(make_packed(n, k, seed=2), "exact")
+    x = torch.randn(64, k).to(torch.bfloat16)
+    for err in (ValueError("gemm_exact: 32-bit offsets overflow"), torch.OutOfMemoryError("CUDA out of memory")):
+        def run(*a, err=err, **kw):
+            raise err
+        monkeypatch.setattr(tk._gemm_tuned, "run", run)
+        with pytest.raises(type(err), match=str(err)):
+            dsp.linear(x, pr, "exact")
+    assert base.KERNEL_FAILURES.snapshot()["entries"] == 0
+    assert base.is_kernel_failure(RuntimeError("Triton Error [CUDA]: invalid argument"))
+    assert base.first_line(RuntimeError("\n  first\nsecond")) == "RuntimeError: first"

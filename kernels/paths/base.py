@@ -7,7 +7,9 @@ A path takes ComfyUI's native NVFP4 storage (:class:`PackedNVFP4`) and computes 
   ``lean``: no per-layer copy, the path derives its weight per call into a reused buffer — paths with
   ``has_lean_mode`` False keep no copies in either mode);
 - ``linear(x2d, prepared) -> y2d``: one call; x2d [M, K] bf16/fp16 on CUDA for the kernel paths (other
-  inputs run the eager reference, logged once);
+  inputs run the eager reference, logged once). A kernel that fails to build or launch for a layer shape
+  (:func:`run_kernel`) makes that shape run the reference computation from then on, logged once with the path,
+  the shape and the error's first line (:data:`KERNEL_FAILURES`);
 - ``lora(x2d, prepared, lora) -> (y2d, route) | None``: base + LoRA computed together, or None for
   "use the unfused branch" (``kernels.dispatch.linear_with_lora`` owns the unfused branch);
 - ``prepared_bytes(shapes, lean)`` / ``workspace_bytes(shapes)``: memory kept per model / reused per process;
@@ -38,6 +40,10 @@ WORK_BUFFERS = state.Store("kernel_work_buffers",
                            describe=lambda d: {"buffers": len(d), "bytes": _buffer_bytes(d)})
 #: side CUDA streams of the tiled exact strategy, one per device
 SIDE_STREAMS = state.Store("kernel_side_streams")
+#: kernel calls that failed to build or launch, (path, what, rows class, N, K, dtype) -> "Type: first line";
+#: such a layer shape runs its fallback without trying the kernel again (cleared: tried again)
+KERNEL_FAILURES = state.Store("kernel_failures", describe=lambda d: {"entries": len(d),
+                                                                     "failures": {repr(k): v for k, v in d.items()}})
 
 
 def _buffer_bytes(d: dict) -> int:
@@ -168,6 +174,51 @@ def release_work_buffers() -> int:
     return n
 
 
+# --------------------------------------------------------------------------- kernel build / launch failures
+
+def rows_class(m: int) -> int:
+    """The power of two >= m (at least 16, at most 8192) that a kernel's tile choice depends on (autotuning key)."""
+    b = 16
+    while b < m and b < 8192:
+        b *= 2
+    return b
+
+
+def is_kernel_failure(e: BaseException) -> bool:
+    """True for what a kernel's build or launch raises (Triton / MLIR / ptxas / CUDA driver errors); False for the
+    errors the pack raises on purpose (ValueError, TypeError: bad inputs) and for out-of-memory, which propagate."""
+    return isinstance(e, Exception) and not isinstance(e, (ValueError, TypeError, torch.OutOfMemoryError))
+
+
+def first_line(e: BaseException) -> str:
+    """``Type: first non-empty line of the message`` (a compiler's full text stays out of the log)."""
+    lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
+    return f"{type(e).__name__}: {lines[0][:300]}" if lines else type(e).__name__
+
+
+def run_kernel(path: str, what: str, x2d: torch.Tensor, n: int, k: int, call, fallback, fallback_name: str):
+    """``call()``; when it fails to build or launch (:func:`is_kernel_failure`), ``fallback()`` instead, for this call
+    and every later one of the same (path, what, rows class, N, K, dtype), logged once as a WARNING naming the path,
+    the shape, the error's first line and ``fallback_name``. Other errors propagate unchanged."""
+    key = (path, what, rows_class(x2d.shape[0]), n, k, str(x2d.dtype).replace("torch.", ""))
+    with KERNEL_FAILURES.lock:
+        failed = key in KERNEL_FAILURES.data
+    if not failed:
+        try:
+            return call()
+        except Exception as e:  # noqa: BLE001 - classified below; anything else is re-raised as it was
+            if not is_kernel_failure(e):
+                raise
+            why = first_line(e)
+            with KERNEL_FAILURES.lock:
+                KERNEL_FAILURES.data[key] = why
+            log_once(("kernel_failure",) + key,
+                     "H3 Turbo %s path: %s failed to build or launch for %d rows (class <= %d) x N=%d x K=%d %s (%s); "
+                     "this layer shape runs %s from now on", path, what, x2d.shape[0], key[2], n, k, key[5], why,
+                     fallback_name, level=logging.WARNING)
+    return fallback()
+
+
 # --------------------------------------------------------------------------- the interface
 
 class ComputePath:
@@ -208,7 +259,15 @@ class ComputePath:
                      "dequantize + F.linear for such inputs", self.name, x2d.dtype, x2d.device.type,
                      level=logging.WARNING)
             return F.linear(x2d, self.reference_weight(prepared, x2d.dtype))
-        return self.kernel_linear(x2d, prepared)
+        return self.guarded_linear(x2d, prepared)
+
+    def guarded_linear(self, x2d: torch.Tensor, prepared) -> torch.Tensor:
+        """:meth:`kernel_linear`, or the reference computation where its kernel fails to build or launch for this
+        layer shape (:func:`run_kernel`)."""
+        return run_kernel(self.name, "linear", x2d, prepared.out_features, prepared.in_features,
+                          lambda: self.kernel_linear(x2d, prepared),
+                          lambda: F.linear(x2d, self.reference_weight(prepared, x2d.dtype)),
+                          "the reference computation (dequantize + F.linear)")
 
     def kernel_linear(self, x2d: torch.Tensor, prepared) -> torch.Tensor:
         return F.linear(x2d, self.reference_weight(prepared, x2d.dtype))

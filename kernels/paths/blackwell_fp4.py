@@ -42,7 +42,7 @@ class BlackwellFP4Path(ComputePath):
         return out[:m, : p.out_features]
 
     def linear(self, x2d, prepared):
-        return self.kernel_linear(x2d, prepared)
+        return self.guarded_linear(x2d, prepared)
 
 
 PATH = BlackwellFP4Path()

@@ -97,7 +97,7 @@ class Int8Path(ComputePath):
                      "H3 Turbo int8 path: input %s on %s is not supported; using the dequantized weight (reference)",
                      x2d.dtype, x2d.device.type)
             return F.linear(x2d, self.reference_weight(prepared, x2d.dtype))
-        return self.kernel_linear(x2d, prepared)
+        return self.guarded_linear(x2d, prepared)
 
     def kernel_linear(self, x2d: torch.Tensor, prepared: PreparedInt8) -> torch.Tensor:
         if self.backend_for(x2d) == "triton":

@@ -338,6 +338,12 @@ def patch(model_patcher, table: AdaLNTable) -> None:
     final = TableAdaLN(table.final, 2, 1, dm.hidden_size) if table.final is not None else \
         WeightAdaLN(table, dm.time_embedder, dm.final_layer.adaln_proj)
     model_patcher.add_object_patch(pfx + "final_layer.adaln_proj", final)
+    import comfy.patcher_extension as pe
+
+    from .adaln_lora import refuse_wrapper_for   # a LoRA on AdaLN keys is refused before sampling
+
+    model_patcher.add_wrapper_with_key(pe.WrappersMP.OUTER_SAMPLE, "h3_turbo_adaln_lora",
+                                       refuse_wrapper_for(f"AdaLN table {os.path.basename(table.path)}"))
 
 
 # --------------------------------------------------------------------------------------------- computing one

@@ -38,6 +38,7 @@ from .. import state
 from ..errors import CheckpointError
 from ..logs import log, log_once
 from . import adaln as A
+from . import adaln_lora
 
 #: passes over the AdaLN weights ("passes"), timestep groups computed in them ("groups"), groups read from a
 #: cache file ("cached"), cache files written ("written")
@@ -332,6 +333,7 @@ def install(model_patcher, key: str) -> int:
         b.adaln_proj = MemoAdaLN(memo, i, 6, 3, dm.hidden_size)
     dm.final_layer.adaln_proj = MemoAdaLN(memo, None, 2, 1, dm.hidden_size)
     dm.h3_turbo_adaln_memo = _Holder(memo)
+    adaln_lora.add_key_slots(dm)     # a LoRA's AdaLN keys reach the patcher, where sample_wrapper refuses them
     import comfy.patcher_extension as pe
 
     model_patcher.add_wrapper_with_key(pe.WrappersMP.OUTER_SAMPLE, WRAPPER_KEY, sample_wrapper)
@@ -409,11 +411,7 @@ def sample_wrapper(executor, noise, latent_image, sampler, sigmas, *args, **kwar
     memo = memo_of(mp)
     if memo is None:
         return executor(noise, latent_image, sampler, sigmas, *args, **kwargs)
-    if getattr(mp, "patches", None):
-        log_once(("adaln-table-patches", memo.key, len(mp.patches)), "H3 Turbo AdaLN (adaln=table): this MODEL has "
-                 "%d weight patches (a LoRA merged by ComfyUI); patches on the AdaLN / time-embedder weights cannot "
-                 "apply under adaln=table (ComfyUI logs their keys as 'lora key not loaded'). Load the model with "
-                 "adaln=resident when a LoRA trains AdaLN.", len(mp.patches), level=logging.WARNING)
+    adaln_lora.refuse(mp, "adaln=table")   # before core loads or patches anything
     dtype, device = _compute_dtype(mp.model), mp.load_device
     path = cache_path(memo, sigmas, dtype, device)
     if path not in memo.loaded and os.path.isfile(path):

@@ -1,0 +1,168 @@
+"""Parity with diffusers 0.42.1, the independent H3 reference (issue 40; what is compared with what and the measured
+numbers: docs/parity.md). Tiny config on the CPU; every comparison has a bound and a negative control that breaks
+it (a changed convention moves the result by orders of magnitude), so a test that cannot fail would show.
+
+(a) one forward: the DMD loader (Diffusers-named shards written by diffusers' ``save_pretrained``) and core's
+    ``UNETLoader`` (core naming) vs ``MiniMaxH3Transformer3DModel``, text-to-video+audio and first+last keyframes;
+(b) the sigma grids of the 4step / 8step / DMD contracts vs ``MiniMaxH3Scheduler``, and the 4-update sampling
+    (H3 Turbo Sigmas + H3 Turbo Sampler, ``update=euler``) vs diffusers' own denoise loop;
+(c) the NVFP4 ``exact`` path (Triton interpreter) vs diffusers on the dequantized weights;
+(d) the Turbo LoRA branch vs diffusers' PEFT LoRA on the same adapter.
+"""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+pytest.importorskip("diffusers", reason="diffusers==0.42.1 is in the [test] extra")
+import diffusers_ref as R  # noqa: E402  (tests/ is on sys.path)
+
+pytestmark = pytest.mark.comfyui
+
+SUB = "h3t_parity"
+#: relative L2 bound of a forward / a sampled latent (both sides compute in fp32 from the same BF16 weights)
+BOUND = 2e-6
+#: a negative control must move the result at least this much (relative L2)
+BROKEN = 1e-2
+LAT = dict(T=2, H=4, W=6, TA=5, TEXT=8)
+LAST_FRAME = 4                                # 2 latent frames = 5 pixel frames: keyframes at pixel frames 0 and 4
+
+
+def _rel(x, y):
+    return float((x.double() - y.double()).norm() / y.double().norm())
+
+
+@pytest.fixture(scope="module")
+def parity(comfy, fixtures_dir):
+    from diffusers.utils import logging as dlog
+
+    from h3_turbo.tools.fixtures import _save_aligned, make_tiny_h3_state_dict
+    from h3_turbo.tools.release import tiny_dmd_config
+
+    dlog.set_verbosity_error()
+    cfg = tiny_dmd_config()
+    # the blocks' residual branches and modulation x4 (exact in BF16): every block moves the output by O(1), so a
+    # wrong convention inside a block shows (with the fixture's unit gains the input's path dominates)
+    sd = {k: v * 4 if k.endswith(("attn.out_proj.weight", "mlp.fc2.weight", "adaln_proj.linear.weight")) else v
+          for k, v in make_tiny_h3_state_dict(cfg, seed=3).items()}
+    root = os.path.join(fixtures_dir["root"], "diffusion_models", SUB)
+    os.makedirs(root, exist_ok=True)
+    _save_aligned(sd, os.path.join(root, "parity_core_bf16.safetensors"), {"h3_turbo_fixture": "diffusers parity"})
+    ref = R.model_from_core(sd, cfg)
+    tdir = os.path.join(root, "TurboH3-diffusers", "transformer")
+    ref.save_pretrained(tdir, max_shard_size="200KB")
+    index = [f for f in os.listdir(tdir) if f.endswith(".safetensors.index.json")]
+    g = torch.Generator().manual_seed(11)
+    inputs = {"video": torch.randn(1, cfg.latents_dim, LAT["T"], LAT["H"], LAT["W"], generator=g),
+              "audio": torch.randn(1, cfg.audio_latents_dim, 2, LAT["TA"], generator=g),
+              "context": torch.randn(1, LAT["TEXT"], cfg.text_dim, generator=g),
+              "keyframes": [torch.randn(1, cfg.latents_dim, 1, LAT["H"], LAT["W"], generator=g) for _ in range(2)]}
+    return {"cfg": cfg, "sd": sd, "ref": ref, "ref32": R.fp32(ref), "inputs": inputs,
+            "shards": len([f for f in os.listdir(tdir) if f.endswith(".safetensors")]),
+            "index": os.path.join(tdir, index[0]), "core": f"{SUB}/parity_core_bf16.safetensors"}
+
+
+def _core_model(parity, which: str):
+    if which == "dmd":
+        from h3_turbo.runtime.dmd import load_dmd_model
+
+        return load_dmd_model(parity["index"], "none", "reference")
+    import nodes
+
+    return nodes.UNETLoader().load_unet(parity["core"], "default")[0]
+
+
+def _payload(parity, keyframes: bool) -> dict:
+    if not keyframes:
+        return {}
+    z = parity["inputs"]["keyframes"]
+    return {"keyframes": [{"resolved_frame_index": 0, "latent": z[0]},
+                          {"resolved_frame_index": LAST_FRAME, "latent": z[1]}],
+            "cond_video_latents": list(z), "seed": 5}
+
+
+def core_forward(mp, parity, sigma_v: float, keyframes: bool):
+    """Core's H3 forward as its sampler calls it (timestep = fp32 sigma * 1000, shifts 12/3) -> data-ward
+    velocities (core returns noise - x0)."""
+    i = parity["inputs"]
+    dm = mp.model.diffusion_model
+    to = {"minimax_h3_sigma_shift_video": 12.0, "minimax_h3_sigma_shift_audio": 3.0}
+    with torch.no_grad():
+        v, a = dm([i["video"], i["audio"]], torch.tensor([sigma_v], dtype=torch.float32) * 1000, i["context"],
+                  transformer_options=to, minimax_payload=_payload(parity, keyframes))
+    return -v.float(), -a.float()
+
+
+def ref_inputs(parity, keyframes: bool, audio_time_major: bool = False):
+    """diffusers' layout and rows for the same latents (keyframe rows noise-augmented to 0.999 as core does:
+    ``MiniMaxH3Scheduler.scale_noise`` with the condition noise core draws, one seeded stream per keyframe)."""
+    i = parity["inputs"]
+    lay = R.layout(LAT["TEXT"], LAT["T"], LAT["H"], LAT["W"], LAT["TA"], ("first", "last") if keyframes else ())
+    vr, ar = R.rows(i["video"], i["audio"])
+    if audio_time_major:
+        ar = i["audio"][0].permute(2, 1, 0).reshape(-1, i["audio"].shape[1])       # negative control
+    if keyframes:
+        from diffusers import MiniMaxH3Scheduler
+
+        cond = []
+        for z in i["keyframes"]:
+            r = R.rows(z, i["audio"])[0]
+            noise = torch.randn(r.shape, generator=torch.Generator("cpu").manual_seed(5), dtype=torch.float32)
+            cond.append(MiniMaxH3Scheduler().scale_noise(r, R.KEYFRAME_NOISE_AUG, noise))
+        vr = torch.cat(cond + [vr])
+    return lay, vr, ar
+
+
+def ref_forward(model, parity, step: int, keyframes: bool, t_is_sigma: bool = False, audio_time_major=False):
+    lay, vr, ar = ref_inputs(parity, keyframes, audio_time_major)
+    sv, sa = R.schedulers(5, 12.0, 3.0)
+    ts, idx = R.plan(lay, sv, sa)[step]
+    if t_is_sigma:
+        ts = 1 - ts                                                                   # negative control
+    v, a = R.forward(model, lay, vr, ar, parity["inputs"]["context"], ts, idx)
+    return v[lay["n_cond_video"]:], a, float(sv.sigmas[step])
+
+
+def _mutated(parity, how: str):
+    """The diffusers reference built from deliberately mis-converted weights (negative controls)."""
+    cfg, sd = parity["cfg"], dict(parity["sd"])
+    H = cfg.inner
+    for k in list(sd):
+        if how == "fc1_unswapped" and k.endswith("mlp.fc1.weight"):
+            g, u = sd[k].chunk(2)
+            sd[k] = torch.cat([u, g])
+        if how == "qk_swapped" and k.endswith("attn.qkv_proj.weight"):
+            sd[k] = torch.cat([sd[k][H:2 * H], sd[k][:H], sd[k][2 * H:]])
+    return R.fp32(R.model_from_core(sd, cfg))
+
+
+# --------------------------------------------------------------------------------------------- (a) one forward
+
+@pytest.mark.parametrize("keyframes", [False, True], ids=["t2va", "keyframes"])
+def test_forward_matches_diffusers(comfy, parity, keyframes, record_property):
+    """The DMD loader (save_pretrained shards) and UNETLoader (core file) vs diffusers, at DMD steps 1 and 3."""
+    assert parity["shards"] >= 2
+    worst = 0.0
+    for which in ("dmd", "unet"):
+        mp = _core_model(parity, which)
+        for step in (1, 3):
+            rv, ra, sigma = ref_forward(parity["ref32"], parity, step, keyframes)
+            cv, ca = core_forward(mp, parity, sigma, keyframes)
+            cvr, car = R.rows(cv, ca)
+            ev, ea = _rel(cvr, rv), _rel(car, ra)
+            worst = max(worst, ev, ea)
+            assert ev < BOUND and ea < BOUND, (which, step, ev, ea)
+    record_property("forward_rel_l2_max", worst)
+    # negative controls: one convention changed at a time, against the DMD loader's step-1 output
+    cv, ca = R.rows(*core_forward(_core_model(parity, "dmd"), parity, float(R.schedulers(5, 12.0, 3.0)[0].sigmas[1]),
+                                  keyframes))
+    broken = {"t = sigma": ref_forward(parity["ref32"], parity, 1, keyframes, t_is_sigma=True),
+              "audio rows time-major": ref_forward(parity["ref32"], parity, 1, keyframes, audio_time_major=True),
+              "fc1 halves unswapped": ref_forward(_mutated(parity, "fc1_unswapped"), parity, 1, keyframes),
+              "q/k swapped": ref_forward(_mutated(parity, "qk_swapped"), parity, 1, keyframes)}
+    for name, (rv, ra, _) in broken.items():
+        err = max(_rel(cv, rv), _rel(ca, ra))
+        record_property(f"negative_{name}", err)
+        assert err > BROKEN, (name, err)

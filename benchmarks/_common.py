@@ -62,12 +62,15 @@ def cuda_median_ms(fn, warmup: int = 10, rep: int = 50) -> float:
     return t[len(t) // 2]
 
 
-def q_row_codes(q):
+def q_row_codes(q, rotate: bool = True):
     """q [1, H, L, D] -> (int8 [L, H, D] contiguous, float32 [L, H] = max|q_row| / 127): the fused route's Q_ROW
-    codes, rounded as the kernels round (``int8_kernels._round_half_away``)."""
+    codes, rounded as the kernels round (``int8_kernels._round_half_away``); ``rotate``: of q times the Hadamard
+    matrix, as the kernels' default ``ROTATE`` expects (``int8_kernels.fwht``)."""
     from h3_turbo.kernels.attention import int8_kernels as K
 
     x = q[0].transpose(0, 1).float()                                   # [L, H, D]
+    if rotate:
+        x = K.fwht(x)
     amax = x.abs().amax(-1)
     inv = torch.where(amax > 0, 127.0 / torch.where(amax > 0, amax, torch.ones_like(amax)), torch.zeros_like(amax))
     q8 = K._round_half_away(x * inv[..., None], 127.0).to(torch.int8).contiguous()

@@ -107,6 +107,7 @@ try:
     import triton.language as tl
 
     from .triton_interp import round_i8 as _round_i8, round_to as _round, to_e4m3 as _e4m3
+    from .attention.int8_kernels import _fwht          # int8_sage's Hadamard rotation (qk_norm_rope_sage's q)
     _TRITON_ERROR = None
 except Exception as e:  # noqa: BLE001 - no Triton: the wrappers raise, the eager ops still work
     triton = None
@@ -241,7 +242,7 @@ if triton is not None:
                         stride_fi, stride_fr, stride_fc,
                         D: tl.constexpr, R2: tl.constexpr, BS: tl.constexpr, SAGE: tl.constexpr,
                         VR: tl.constexpr, STATS: tl.constexpr, HP: tl.constexpr, INTERP: tl.constexpr,
-                        PREFETCH: tl.constexpr = False):
+                        PREFETCH: tl.constexpr = False, ROTATE: tl.constexpr = False):
         """Rows [BS * pid0, +BS); pid1 = 0 / 1: every q / k head normed (weights w_ptr [2, D]: q's, k's) and rotated in
         place; pid1 = 2: every v head copied to v_ptr [S, H, D]. Column c of a head is combined with its partner
         p(c) = c + R2 (c < R2), c - R2 (R2 <= c < 2 R2), c (pass-through): out_c = A_c n_c + B_c n_p(c) with
@@ -252,7 +253,9 @@ if triton is not None:
         rounded values) into ks_ptr [programs, H * D]; v not copied: the first cdiv(S, BS * VR) v programs take
         BS * VR rows each and write their column max |v| (in x's dtype: a max is exact) into va_ptr
         [cdiv(S, BS * VR), H * D] (no atomics: the result does not depend on the order). Without STATS neither the
-        k sums nor the v maxima are taken (the caller reduces k and v itself)."""
+        k sums nor the v maxima are taken (the caller reduces k and v itself). ROTATE (with SAGE): q times the
+        unnormalised Hadamard matrix H_D before its quantization (int8_kernels._fwht; k is rotated by int8_sage's
+        K pre-kernel)."""
         part = tl.program_id(1)
         rows = tl.program_id(0) * BS + tl.arange(0, BS)
         rm = rows < S
@@ -313,6 +316,8 @@ if triton is not None:
                 if SAGE:
                     if part == 0:
                         yf = y.to(tl.float32)
+                        if ROTATE:
+                            yf = _fwht(yf, BS, D)
                         a = tl.max(tl.abs(yf), axis=1)
                         q8 = _round_i8(yf * tl.where(a > 0, 127.0 / tl.where(a > 0, a, 1.0), 0.0)[:, None], 127.0)
                         tl.store(q8_ptr + r64[:, None] * (H * D) + h * D + cols[None, :], q8, mask=rm[:, None])
@@ -510,7 +515,7 @@ def _qk_rope_checks(where, qkv, heads, head_dim, freqs, q_weight, k_weight, eps)
 
 
 def _qk_rope_launch(qkv, heads, head_dim, freqs, q_weight, k_weight, eps, v, sage, v_part: bool = True,
-                    stats: bool = False) -> None:
+                    stats: bool = False, rotate: bool = False) -> None:
     """The kernel's launch: programs for q, k and (``v_part``) v; ``sage`` = (q8, qs, k partial sums, v partial
     maxima) or None; ``stats``: the SAGE launch writes those partials (then the v programs must run)."""
     if sage is not None and stats != v_part:
@@ -523,12 +528,12 @@ def _qk_rope_launch(qkv, heads, head_dim, freqs, q_weight, k_weight, eps, v, sag
         qkv.stride(0), freqs.stride(1), freqs.stride(3), freqs.stride(4), freqs.stride(5), D=head_dim,
         R2=int(freqs.shape[3]), BS=bs, SAGE=sage is not None, VR=max(1, int(SETTINGS["rope_v_rows"]) // bs),
         STATS=bool(stats), HP=triton.next_power_of_2(heads), INTERP=INTERPRET,
-        PREFETCH=bool(SETTINGS["rope_prefetch"]),
+        PREFETCH=bool(SETTINGS["rope_prefetch"]), ROTATE=bool(rotate) and sage is not None,
         num_warps=4 if INTERPRET else SETTINGS["rope_warps"])
 
 
 def qk_norm_rope_sage(qkv: torch.Tensor, heads: int, head_dim: int, freqs: torch.Tensor, q_weight: torch.Tensor,
-                      k_weight: torch.Tensor, eps: float) -> dict:
+                      k_weight: torch.Tensor, eps: float, rotate: bool = True) -> dict:
     """:func:`qk_norm_rope` producing the ``int8_sage`` attention's inputs in the same launch (kernel (f)): q is
     quantized to INT8 per (row, head) straight from its rounded rotated values (SageAttention's per-token Q
     quantization, ``q8 = round_half_away(q * 127 / max|q_row|)``), k is rotated in place and its column sums taken,
@@ -537,7 +542,9 @@ def qk_norm_rope_sage(qkv: torch.Tensor, heads: int, head_dim: int, freqs: torch
     sums of the rotated k over R row ranges: their sum over dim 0 is the column sum), "vamax": float32 [R, heads,
     head_dim] (partial maxima)}`` (R = 1 unless ``SETTINGS["sage_stats"]`` is "pass"; the arguments of
     :func:`.attention.int8_kernels.sage_attention_prequantized`); qkv's q columns keep their input values.
-    Eager reference :func:`qk_norm_rope_sage_ref`. ValueError naming the argument on bad input."""
+    ``rotate`` (default): q is multiplied by the unnormalised Hadamard matrix H_D before its quantization (int8_sage's
+    ``ROTATE``, which must match: :func:`.attention.int8_kernels.fwht`). Eager reference :func:`qk_norm_rope_sage_ref`.
+    ValueError naming the argument on bad input."""
     where = "fused.qk_norm_rope_sage"
     _qk_rope_checks(where, qkv, heads, head_dim, freqs, q_weight, k_weight, eps)
     s, dev = qkv.shape[0], qkv.device
@@ -553,10 +560,11 @@ def qk_norm_rope_sage(qkv: torch.Tensor, heads: int, head_dim: int, freqs: torch
         parts = torch.empty((triton.cdiv(s, bs), heads, head_dim), device=dev, dtype=torch.float32)
         vparts = torch.empty((triton.cdiv(s, vrows), heads, head_dim), device=dev, dtype=qkv.dtype)
         _qk_rope_launch(qkv, heads, head_dim, freqs, q_weight, k_weight, eps, qkv, (q8, qs, parts, vparts), True,
-                        stats=True)
+                        stats=True, rotate=rotate)
         ksum, vamax = parts.sum(dim=0, keepdim=True), vparts.amax(dim=0, keepdim=True).float()
     elif s:     # the launch writes q8 / qs and k; k's column sums and v's column extrema after it
-        _qk_rope_launch(qkv, heads, head_dim, freqs, q_weight, k_weight, eps, qkv, (q8, qs, q8, q8), False, stats=False)
+        _qk_rope_launch(qkv, heads, head_dim, freqs, q_weight, k_weight, eps, qkv, (q8, qs, q8, q8), False, stats=False,
+                        rotate=rotate)
         kc = qkv[:, inner:2 * inner].view(s, heads, head_dim)
         vc = qkv[:, 2 * inner:].view(s, heads, head_dim)
         if stats == "pass":
@@ -643,14 +651,18 @@ def qk_norm_rope_ref(qkv: torch.Tensor, heads: int, head_dim: int, freqs: torch.
 
 
 def qk_norm_rope_sage_ref(qkv: torch.Tensor, heads: int, head_dim: int, freqs: torch.Tensor, q_weight: torch.Tensor,
-                          k_weight: torch.Tensor, eps: float, dtype=torch.float64) -> dict:
+                          k_weight: torch.Tensor, eps: float, dtype=torch.float64, rotate: bool = True) -> dict:
     """Eager reference of :func:`qk_norm_rope_sage` (never modifies qkv): :func:`qk_norm_rope_ref`'s rotated q / k
-    (rounded to qkv's dtype), then q quantized per (row, head) with the kernel's float32 formula; returns the
+    (rounded to qkv's dtype), then q (times H_D with ``rotate``) quantized per (row, head) with the kernel's float32 formula; returns the
     kernel's dict (``q8`` as int8, sums / maxima in ``dtype``) plus ``new`` (the rotated [S, 3 * inner] tensor)."""
     s = qkv.shape[0]
     inner = heads * head_dim
     new = qk_norm_rope_ref(qkv, heads, head_dim, freqs, q_weight, k_weight, eps, dtype=dtype)
     q = new[:, :inner].reshape(s, heads, head_dim).float()
+    if rotate:
+        from .attention.int8_kernels import fwht
+
+        q = fwht(q)
     a = q.abs().amax(dim=-1, keepdim=True)
     x = (q * torch.where(a > 0, 127.0 / a, torch.zeros_like(a))).clamp(-127.0, 127.0)
     q8 = torch.trunc(x + torch.where(x >= 0, 0.5, -0.5)).to(torch.int8)

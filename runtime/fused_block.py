@@ -342,7 +342,7 @@ class FusedBlockPatch:
         nxt = self._next_for_defer(args)
         out = fused_forward(block, x, args["t_emb"], args["mod_segments"], args["rope_freqs"],
                             args.get("transformer_options", {}), plans, self.ops, self.routes, pending=pending,
-                            defer_to=nxt)
+                            defer_to=nxt, layer_index=self.index)
         if nxt is not None and _PENDING_KEY in args["transformer_options"]:
             self.deferred += 1
         return {"img": out}
@@ -511,6 +511,28 @@ def _sage_route(transformer_options, x, head_dim: int, ops):
     return ov, c
 
 
+def _guard_passes(guard, layer, qkv, heads, dh, freqs, qw, kw, eps, k4, v4, res, fp8_out) -> bool:
+    """The int8_sage route's accuracy guard (``kernels/attention/guard.py``) on this block's first call of a shape: the
+    exact q of the sampled rows from qkv's q columns (unchanged by ``qk_norm_rope_sage``) by the eager RMSNorm + RoPE,
+    the route's output rows (dequantized from e4m3 with ``fp8_out``); True when the block passes or was checked."""
+    from ..kernels.attention.exact import shape_key
+
+    key = shape_key(k4, k4)
+    if not guard.needs_check(layer, key):
+        return True
+    s, inner = qkv.shape[0], heads * dh
+    rows = guard.sample(s, qkv.device)
+    qr = fk.qk_norm_rope_ref(qkv[rows], heads, dh, freqs[:, rows], qw, kw, eps)[:, :inner]
+    q_rows = qr.reshape(-1, heads, dh).transpose(0, 1).unsqueeze(0)
+    if fp8_out:
+        o8, so = res
+        o = o8[rows].float() * so[rows]
+    else:
+        o = res[0, rows].float()
+    approx = o.reshape(-1, heads, dh).transpose(0, 1).unsqueeze(0)
+    return guard.check(layer, key, q_rows, k4, v4, approx)
+
+
 def _attention_wrapper(attn) -> Callable:
     """How core's ``Attention.forward`` hands q / k / v to ``optimized_attention``: wrapped in
     ``AttentionTensorContainer`` (ComfyUI versions whose forward names it, e.g. 0.33) or as plain tensors."""
@@ -522,11 +544,13 @@ def _attention_wrapper(attn) -> Callable:
 
 
 def fused_forward(block, x, t_emb, mod_segments, rope_freqs, transformer_options, plans, ops, routes=None,
-                  pending: _Pending | None = None, defer_to: FusedBlockPatch | None = None):
+                  pending: _Pending | None = None, defer_to: FusedBlockPatch | None = None,
+                  layer_index: int | None = None):
     """The fused block's forward (module docstring); x [S, hidden] is updated in place and returned. ``pending``: the
     previous block's final gated residual, applied by this block's first producer (``norm_mod(residual=...)``);
     ``defer_to``: the next block's patch, which gets this block's final gated residual instead of
-    ``gate_residual_`` here (x is then returned without it)."""
+    ``gate_residual_`` here (x is then returned without it). ``layer_index``: the block's index, the layer key of the
+    attention override's accuracy guard (``kernels/attention/guard.py``)."""
     import comfy.model_management as mm
     import comfy.ops
     from comfy.ldm.modules.attention import optimized_attention
@@ -564,6 +588,11 @@ def fused_forward(block, x, t_emb, mod_segments, rope_freqs, transformer_options
     qw = mm.cast_to(at.q_norm.weight, device=x.device)
     kw = mm.cast_to(at.k_norm.weight, device=x.device)
     sage = _sage_route(transformer_options, x, dh, ops)
+    ov = transformer_options.get("optimized_attention_override")
+    guard = getattr(ov, "guard", None) if layer_index is not None else None
+    layer = guard.layer(transformer_options, block_index=layer_index) if guard is not None else None
+    if sage is not None and guard is not None and guard.runs_exact(layer):
+        sage = None         # this block failed the guard: core's attention call, which the override runs exact
     if sage is not None:
         # int8_sage: its Q quantization and K/V statistics come out of the RMSNorm + RoPE launch, its kernel runs
         # here and writes e4m3 for an fp8 out_proj (a failure disables this route, logged once, and reruns the block:
@@ -571,13 +600,15 @@ def fused_forward(block, x, t_emb, mod_segments, rope_freqs, transformer_options
         override, cfg = sage
         failed = None
         try:
-            prep = ops.qk_norm_rope_sage(qkv, heads, dh, rope_freqs, qw, kw, _eps(at.q_norm, x))
+            prep = ops.qk_norm_rope_sage(qkv, heads, dh, rope_freqs, qw, kw, _eps(at.q_norm, x), rotate=cfg["ROTATE"])
             k4 = qkv[:, inner:2 * inner].view(s, heads, dh).transpose(0, 1).unsqueeze(0)
             v4 = qkv[:, 2 * inner:].view(s, heads, dh).transpose(0, 1).unsqueeze(0)
             fp8_out = plans["attn.out_proj"][0] != "module"
             res = _int8_kernels().sage_attention_prequantized(prep["q8"], prep["qs"], k4, v4, prep["ksum"],
                                                               prep["vamax"], config=cfg, out_fp8=fp8_out,
                                                               reduce_once=bool(fk.SETTINGS["sage_stats_once"]))
+            passed = guard is None or _guard_passes(guard, layer, qkv, heads, dh, rope_freqs, qw, kw,
+                                                    _eps(at.q_norm, x), k4, v4, res, fp8_out)
         except Exception as e:  # noqa: BLE001 - e.g. a Triton build failure on this GPU
             failed = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
         if failed is not None:
@@ -599,7 +630,15 @@ def fused_forward(block, x, t_emb, mod_segments, rope_freqs, transformer_options
             routes.update(routes_before)
             # x holds the previous block's gated residual now (applied by the qkv producer): not passed again
             return fused_forward(block, x, t_emb, mod_segments, rope_freqs, transformer_options, plans, ops, routes,
-                                 defer_to=defer_to)
+                                 defer_to=defer_to, layer_index=layer_index)
+        if not passed:
+            # the guard failed this block: exact from now on; rerun it (x unchanged so far but for the residual
+            # applied above, as after a failure)
+            qkv = prep = k4 = v4 = res = None
+            routes.clear()
+            routes.update(routes_before)
+            return fused_forward(block, x, t_emb, mod_segments, rope_freqs, transformer_options, plans, ops, routes,
+                                 defer_to=defer_to, layer_index=layer_index)
         override.calls += 1
         routes["sage"] = routes.get("sage", 0) + 1
         del qkv, prep, k4, v4
@@ -620,8 +659,9 @@ def fused_forward(block, x, t_emb, mod_segments, rope_freqs, transformer_options
         kc = wrap(k.transpose(0, 1).unsqueeze(0))
         vc = wrap(v.transpose(0, 1).unsqueeze(0))
         del q, k, v
+        to = transformer_options if guard is None else dict(transformer_options, block_index=layer_index)
         out = optimized_attention(qc, kc, vc, heads, mask=None, skip_reshape=True,
-                                  transformer_options=transformer_options).squeeze(0)
+                                  transformer_options=to).squeeze(0)
         del qkv
         y = _project(at.out_proj, plans["attn.out_proj"], lambda: ops.quant_rows(out), lambda: out, x, ops, routes)
         del out

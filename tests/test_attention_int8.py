@@ -55,10 +55,15 @@ def test_reference_quantization_rules():
         assert torch.equal(x, x.round()) and x.abs().max() <= 127
         for b in range(z[scale].shape[1]):
             assert x[:, b * blk:(b + 1) * blk].abs().max() == 127
-    # K is smoothed: dequantized k8 ~ k - mean_tokens(k), to half a step
+    # K is smoothed and rotated: dequantized k8 ~ (k - mean_tokens(k)) H_D (unnormalised Hadamard), to half a step
     kd = z["k8"] * z["ks"].repeat_interleave(32, 1)[:, :70, None]
     km = k.float()[0].mean(1)
-    assert (kd - (k.float()[0] - km[:, None])).abs().max() <= z["ks"].max() / 2 + 1e-6
+    h = Q.hadamard(128).float() * 128 ** 0.5
+    assert (kd - (k.float()[0] - km[:, None]) @ h).abs().max() <= z["ks"].max() / 2 + 1e-4
+    # unrotated (ROTATE off): k - mean_tokens(k) itself
+    z0 = Q.quantize_reference(q, k, v, {**cfg, "ROTATE": False})
+    kd0 = z0["k8"] * z0["ks"].repeat_interleave(32, 1)[:, :70, None]
+    assert (kd0 - (k.float()[0] - km[:, None])).abs().max() <= z0["ks"].max() / 2 + 1e-6
     # V: e4m3 values within +-448, max |v - mean| per channel maps to 448
     assert z["v8"].abs().max() == 448.0
     assert torch.equal(z["v8"], z["v8"].to(torch.float8_e4m3fn).float())
@@ -176,7 +181,8 @@ def test_tuned_config_per_device(monkeypatch):
     for lk in (1, 19584, 37632, 109000):
         c = Q.tuned_config("cuda", lk)
         assert c == {**Q.DEFAULT_CONFIG, "TMA": True, "QPRE": True, "ROWSUM_MMA": True, "num_stages": 2,
-                     "MAXNREG": 168}, c
+                     "MAXNREG": 168, "Q_ROW": True}, c
+        assert c["ROTATE"]                                                # Hadamard-rotated Q/K (issue 38)
     assert S.Int8SageAttention(fallback=_fallback_exact()).config is None   # tuned per call
     assert S.Int8SageAttention(fallback=_fallback_exact(), config={"BLOCK_N": 64}).config["BLOCK_N"] == 64
     with pytest.raises(ValueError, match="ROWSUM_MMA needs PV_FP8"):

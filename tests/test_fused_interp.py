@@ -308,7 +308,9 @@ def test_qk_norm_rope_sage_is_qk_norm_rope_then_int8_sage_inputs(s, heads, d, r2
     got = fk.qk_norm_rope_sage(x, heads, d, table, qw, kw, 1e-6)
     inner = heads * d
     assert torch.equal(x[:, :inner], qkv[:, :inner]) and torch.equal(x[:, inner:], rot[:, inner:])
-    q = rot[:, :inner].reshape(s, heads, d).float()
+    from h3_turbo.kernels.attention.int8_kernels import fwht    # q is Hadamard-rotated before its quantization
+
+    q = fwht(rot[:, :inner].reshape(s, heads, d).float())
     a = q.abs().amax(dim=-1, keepdim=True) if s else torch.zeros(0, heads, 1)
     t = (q * torch.where(a > 0, 127.0 / a, torch.zeros_like(a))).clamp(-127, 127)
     q8 = torch.trunc(t + torch.where(t >= 0, 0.5, -0.5)).to(torch.int8)

@@ -9,7 +9,9 @@ its output is finite and its per-head cosine against exact's output is >= ``cos_
 Candidates are timed like exact's SDPA candidates (CUDA events, best of 2 after the measured call). The choice,
 with each candidate's cosine, time and rejection reason, is cached per bucket and logged once (WARNING when none
 passes: exact then runs that bucket). Later calls of the bucket run the chosen backend's override directly. What
-the gate measures is one call's inputs: a later call in the same bucket with other statistics is not re-checked.
+the gate measures is one call's inputs: a later call in the same bucket with other statistics is not re-checked by
+it; the per-layer guard (``guard``, :mod:`.guard`) then checks each layer on its first call of a shape and runs a
+failing layer exact from then on (the candidates run without their own guards).
 ``calls`` counts the calls an 8-bit candidate ran, ``by_backend`` every call by the backend that ran it.
 ``exact`` stays what the node's ``auto`` runs.
 """
@@ -64,13 +66,15 @@ class Auto8Attention:
 
     def __init__(self, candidates: dict[str, Callable] | None = None, exact_override: Callable | None = None,
                  timer: Callable[[Callable[[], Any]], float] | None = None, cos_min: float = COS_MIN,
-                 devices: Sequence[str] = ("cuda",)):
+                 devices: Sequence[str] = ("cuda",), guard=None):
         self._candidates = candidates
         self.exact = exact_override if exact_override is not None else exact.exact_override()
         self.timer = timer if timer is not None else exact.cuda_event_timer(reps=2)
         self.cos_min = float(cos_min)
         self.devices = tuple(devices)
         self.choices: dict = {}
+        self.guard = guard
+        self._unguarded: dict[str, Callable] = {}
         self.calls = 0
         self.by_backend: dict[str, int] = {}
 
@@ -84,7 +88,15 @@ class Auto8Attention:
             if name in registry.names():
                 b = registry.get(name)
                 if b.supports(device)[0]:
-                    out[name] = b.override()
+                    ov = b.override()
+                    if getattr(ov, "guard", None) is not None:      # auto8's own guard checks the layer
+                        if name not in self._unguarded:
+                            import copy
+
+                            self._unguarded[name] = copy.copy(ov)
+                            self._unguarded[name].guard = None
+                        ov = self._unguarded[name]
+                    out[name] = ov
         return out
 
     def _choose(self, key, func, args, kwargs, call) -> Auto8Choice:
@@ -135,16 +147,32 @@ class Auto8Attention:
         if ch is None:
             ch = self._choose(key, func, args, kwargs, call)
             # the measurement already computed exact's output once; run the choice for this call's result
-        self.by_backend[ch.backend] = self.by_backend.get(ch.backend, 0) + 1
-        if ch.backend == "exact":
+        guard = self.guard
+        layer = guard.layer(kwargs.get("transformer_options")) if guard is not None else None
+        if ch.backend == "exact" or (guard is not None and guard.runs_exact(layer)):
+            self.by_backend["exact"] = self.by_backend.get("exact", 0) + 1
             return self.exact(func, *args, **kwargs)
+        out = self.candidates(call.q.device)[ch.backend](func, *args, **kwargs)
+        if guard is not None and guard.needs_check(layer, key):
+            from .guard import out_rows
+
+            heads = int(args[3])
+            rows = guard.sample(call.q.shape[2], call.q.device)
+            if not guard.check(layer, key, call.q[:, :, rows], call.k, call.v,
+                               out_rows(out, rows, heads, call.skip_output_reshape), call.scale):
+                self.by_backend["exact"] = self.by_backend.get("exact", 0) + 1
+                return self.exact(func, *args, **kwargs)
+        self.by_backend[ch.backend] = self.by_backend.get(ch.backend, 0) + 1
         self.calls += 1
-        return self.candidates(call.q.device)[ch.backend](func, *args, **kwargs)
+        return out
 
 
 def auto8_override() -> Auto8Attention:
-    """The process-wide ``auto8`` override (:data:`h3_turbo.state.ATTENTION_AUTO8`)."""
-    return state.ATTENTION_AUTO8.get(Auto8Attention)
+    """The process-wide ``auto8`` override (:data:`h3_turbo.state.ATTENTION_AUTO8`), with a per-layer
+    :class:`.guard.LayerGuard`."""
+    from .guard import LayerGuard
+
+    return state.ATTENTION_AUTO8.get(lambda: Auto8Attention(guard=LayerGuard(NAME)))
 
 
 class Auto8Backend(AttentionBackend):

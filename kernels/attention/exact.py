@@ -29,6 +29,29 @@ NAME = "exact"
 
 # Exact SDPA candidates, in the order they are tried (and the fallback order behind the winner).
 CANDIDATES: tuple[str, ...] = ("CUDNN_ATTENTION", "FLASH_ATTENTION", "EFFICIENT_ATTENTION")
+
+
+def default_candidates() -> tuple[str, ...]:
+    """:data:`CANDIDATES`, then ``"FA3"`` (FlashAttention-3's bf16 forward, :mod:`.fa3`) when the optional
+    ``fa3-fwd`` wheel imports; when it does not, that is logged once (INFO)."""
+    from . import fa3
+
+    why = fa3.available()
+    if why is None:
+        return CANDIDATES + (fa3.NAME,)
+    log_once(("attention", NAME, "fa3"), "H3 Turbo attention 'exact': FlashAttention-3 is not a candidate (%s; "
+             "optional: pip install h3_turbo[fa3], Hopper GPUs)", why, level=logging.INFO)
+    return CANDIDATES
+
+
+def run_candidate(name: str, q, k, v, scale=None, fallbacks: Sequence[str] = ()) -> torch.Tensor:
+    """One exact candidate on [B, H, L, D] inputs: ``"FA3"`` (:func:`.fa3.attention`) or an SDPA backend
+    (:func:`sdpa_with` with the SDPA ``fallbacks``)."""
+    if name == "FA3":
+        from . import fa3
+
+        return fa3.attention(q, k, v, scale=scale)
+    return sdpa_with(name, q, k, v, scale=scale, fallbacks=[f for f in fallbacks if f != "FA3"])
 DEVICES: tuple[str, ...] = ("cuda",)      # device types the process-wide override takes the SDPA path on
 
 
@@ -168,6 +191,7 @@ class ExactAttention:
     unchanged, with one INFO log line per reason.
 
     ``chooser``: shared :class:`BackendChooser` (default: a process-wide one with CUDA-event timing).
+    ``candidates``: default :func:`default_candidates` (the SDPA backends, and FlashAttention-3 where installed).
     ``devices``: device types that take the SDPA path (default ``("cuda",)``; tests pass ``("cpu",)``
     with ``candidates=("MATH",)`` to check the layout handling on the CPU).
     ``calls``/``delegated``: counters of calls handled here / passed to ``func``.
@@ -175,10 +199,10 @@ class ExactAttention:
 
     backend = NAME
 
-    def __init__(self, chooser: BackendChooser | None = None, candidates: Sequence[str] = CANDIDATES,
+    def __init__(self, chooser: BackendChooser | None = None, candidates: Sequence[str] | None = None,
                  devices: Sequence[str] = DEVICES):
         self.chooser = chooser if chooser is not None else _default_chooser()
-        self.candidates = tuple(candidates)
+        self.candidates = tuple(candidates) if candidates is not None else default_candidates()
         self.devices = tuple(devices)
         self.calls = 0
         self.delegated = 0
@@ -197,12 +221,12 @@ class ExactAttention:
         b, heads, _, dim_head = q.shape
         scale = call.scale
         best = self.chooser.choose(shape_key(q, k), self.candidates,
-                                   lambda c: sdpa_with(c, q, k, v, scale=scale))
+                                   lambda c: run_candidate(c, q, k, v, scale=scale))
         if best is None:
             return self._delegate("no exact SDPA backend runs these inputs (see the measurement log)",
                                   func, args, kwargs)
         self.calls += 1
-        out = sdpa_with(best, q, k, v, scale=scale, fallbacks=self.candidates)
+        out = run_candidate(best, q, k, v, scale=scale, fallbacks=self.candidates)
         if not call.skip_output_reshape:
             out = out.transpose(1, 2).reshape(b, -1, heads * dim_head)
         return out

@@ -15,11 +15,17 @@ Math, for q, k, v [B, H, L, D] (any strides), ``scale`` (default ``D ** -0.5``),
 
 * K smoothing: ``k' = k - mean_tokens(k)`` per (b, h, channel), in float32 (softmax is invariant to
   adding ``q . const`` to every score of a row).
+* Rotation (``ROTATE``, on by default): q and the smoothed k' are multiplied by the unnormalised Sylvester
+  Hadamard matrix H_D (entries +-1, ``H H^T = D I``; :func:`fwht`, butterfly stages in float32) before their INT8
+  quantization, and the score scale is divided by D, so q.k is unchanged in exact arithmetic. A few outlier
+  channels are spread over all D channels, so one scale per block no longer spends its range on them (the
+  Hadamard rotation of QuaRot, Ashkboos et al., arXiv:2404.00456). Below, q and k' mean the rotated ones.
 * Q: per block of ``BLOCK_M`` query rows of one head, ``a = max |q|``, ``sq = a / 127``,
   ``q8 = round_half_away(q * (127 / a))`` (int8, 0 where a = 0); inside the attention kernel, or by the
   pre-kernel :func:`quantize_q` with ``QPRE``.
 * K: the same on ``k'`` per block of ``BLOCK_N`` keys (``sk``), by the pre-kernel :func:`quantize_kv`.
-* Scores in the exp2 domain: ``s = (q8 . k8) * (sq * scale * log2e) * sk`` with an exact int32 dot.
+* Scores in the exp2 domain: ``s = (q8 . k8) * (sq * scale * log2e) * sk`` with an exact int32 dot (``scale / D``
+  with ``ROTATE``: :func:`qk_scale`).
 * V: optional per-channel mean ``mv`` subtracted (``V_MEAN``; added back at the end since softmax rows
   sum to 1), then per (b, h, channel) ``sv = max_tokens |v - mv| / 448``,
   ``v8 = e4m3(clamp((v - mv) * (448 / max), +-448))`` (round to nearest even), stored transposed
@@ -45,7 +51,9 @@ float32 ops) into an int8 [B*H, L_pad, D] copy that the tensor cores read from s
 ``Q_ROW`` (needs ``QPRE``): one Q scale per row (``max|q_row| / 127``) instead of per BLOCK_M block; the
 score scale is then a per-row vector. ``ROWSUM_MMA``: the softmax row sum is taken on the tensor cores as ``e4m3(p) @ ones`` (a fresh
 accumulator per key block, added to a float32 running sum), i.e. ``l`` sums the same rounded P that
-multiplies V (needs ``PV_FP8``). ``MAXNREG``: register cap per thread (Triton's ``maxnreg``).
+multiplies V (needs ``PV_FP8``). ``MAXNREG``: register cap per thread (Triton's ``maxnreg``). ``ROTATE``: the
+Hadamard rotation of q and k above (off: the unrotated SageAttention-2 quantization, kept as the negative control
+of the outlier tests).
 :func:`tuned_config` picks the configuration when none is given: :data:`HOPPER_CONFIGS` on compute
 capability 9.x, else :data:`DEFAULT_CONFIG` (which needs no TMA, e.g. Ada). Why each option is on or off,
 with the measurements: ``docs/attention.md``.
@@ -84,12 +92,13 @@ LOG2_FP8_MAX = math.log2(FP8_MAX)
 DEFAULT_CONFIG = {"BLOCK_M": 64, "BLOCK_N": 128, "num_warps": 4, "num_stages": 3, "MAGIC": True,
                   "PV_FP8": True, "V_MEAN": False, "IMPRECISE": None,
                   "TMA": False, "QPRE": False, "ROWSUM_MMA": False, "MAXNREG": None, "Q_ROW": False,
-                  "GLUON": False}
+                  "GLUON": False, "ROTATE": True}
 # Hopper (compute capability 9.x): (largest key length or None, changes from DEFAULT_CONFIG); the first row
 # that fits is used. K/V through TMA, Q quantized by its pre-kernel, row sums on the tensor cores, at most
-# 168 registers per thread (how this row was chosen: docs/attention.md).
+# 168 registers per thread (how this row was chosen: docs/attention.md); one Q scale per row (Q_ROW, as the fused
+# route: with the rotation it keeps the k_outlier stress case within the bound, docs/attention.md).
 HOPPER_CONFIGS = (
-    (None, {"TMA": True, "QPRE": True, "ROWSUM_MMA": True, "num_stages": 2, "MAXNREG": 168}),
+    (None, {"TMA": True, "QPRE": True, "ROWSUM_MMA": True, "num_stages": 2, "MAXNREG": 168, "Q_ROW": True}),
 )
 SUPPORTED_HEAD_DIMS = (64, 128)
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16)
@@ -107,6 +116,21 @@ if triton is not None:
         """Pointers [len(offs_l), len(offs_d)] into a [B, H, L, D] tensor of any strides (64-bit offsets)."""
         return (X + b.to(tl.int64) * sb + h.to(tl.int64) * sh + offs_l[:, None].to(tl.int64) * sl
                 + offs_d[None, :] * sd)
+
+    @triton.jit
+    def _fwht(x, ROWS: tl.constexpr, D: tl.constexpr):
+        """Each row of the float32 tile x [ROWS, D] times the unnormalised Sylvester Hadamard matrix H_D (entries
+        +-1, D a power of two): log2(D) butterfly stages (a, b) -> (a + b, a - b) over pairs (i, i + h), h = 1, 2, 4,
+        ..., the float32 ops of :func:`fwht` (the same bits on the GPU, in the interpreter and in torch)."""
+        sgn = tl.reshape(tl.where(tl.arange(0, 2) == 0, 1.0, -1.0), [1, 1, 2, 1])
+        first = tl.reshape(tl.arange(0, 2) == 0, [1, 1, 2, 1])
+        for s in tl.static_range(0, 9):                               # D <= 512
+            if (2 << s) <= D:
+                x4 = tl.reshape(x, [ROWS, D // (2 << s), 2, 1 << s])
+                apb = tl.expand_dims(tl.sum(x4, axis=2), 2)          # a + b
+                amb = tl.expand_dims(tl.sum(x4 * sgn, axis=2), 2)    # a + (-b)
+                x = tl.reshape(tl.where(first, apb, amb), [ROWS, D])
+        return x
 
     @triton.jit
     def _quant_i8_block(x):
@@ -186,7 +210,7 @@ if triton is not None:
                          H, N_K, N_KPAD, N_PARTS, n_f,
                          HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, PV_FP8: tl.constexpr,
                          V_MEAN: tl.constexpr, INTERP: tl.constexpr, FROM_PARTS: tl.constexpr,
-                         V_PERM32: tl.constexpr):
+                         V_PERM32: tl.constexpr, ROTATE: tl.constexpr = False):
         j = tl.program_id(0)
         bh = tl.program_id(1)
         b = bh // H
@@ -204,7 +228,10 @@ if triton is not None:
         k = tl.load(kp, mask=valid, other=0.0).to(tl.float32)
         if not FROM_PARTS:
             km = tl.load(KM + bh * HEAD_DIM + offs_d)
-        k8, amax = _quant_i8_block(tl.where(valid, k - km[None, :], 0.0))
+        ksm = tl.where(valid, k - km[None, :], 0.0)
+        if ROTATE:      # (k - mean) H_D: padded rows stay zero
+            ksm = _fwht(ksm, BLOCK_N, HEAD_DIM)
+        k8, amax = _quant_i8_block(ksm)
         base = bh.to(tl.int64) * N_KPAD * HEAD_DIM
         tl.store(K8 + base + offs_n[:, None] * HEAD_DIM + offs_d[None, :], k8)
         tl.store(KS + bh * nb + j, amax / 127.0)
@@ -234,15 +261,19 @@ if triton is not None:
             tl.store(VQ + base + offs_n[:, None] * HEAD_DIM + offs_d[None, :], v.to(tl.bfloat16))
 
     @triton.jit
-    def _quant_q_block(qp, row_ok, qk_scale):
-        """One block of Q rows (pointers ``qp`` [BLOCK_M, D], rows with ``row_ok`` False read as 0) -> (int8
-        codes with one max|q|/127 scale, the block's score scale ``max|q| / 127 * qk_scale``)."""
-        q8, amax = _quant_i8_block(tl.load(qp, mask=row_ok[:, None], other=0.0).to(tl.float32))
+    def _quant_q_block(qp, row_ok, qk_scale, BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr, ROTATE: tl.constexpr):
+        """One block of Q rows (pointers ``qp`` [BLOCK_M, D], rows with ``row_ok`` False read as 0; ROTATE: times
+        H_D first) -> (int8 codes with one max|q|/127 scale, the block's score scale ``max|q| / 127 * qk_scale``)."""
+        x = tl.load(qp, mask=row_ok[:, None], other=0.0).to(tl.float32)
+        if ROTATE:
+            x = _fwht(x, BLOCK_M, HEAD_DIM)
+        q8, amax = _quant_i8_block(x)
         return q8, (amax / 127.0) * qk_scale
 
     @triton.jit
     def _quant_q_kernel(Q, Q8, QS, sqb, sqh, sqm, sqd, H, N_Q, N_QPAD, qk_scale,
-                        HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, Q_ROW: tl.constexpr):
+                        HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, Q_ROW: tl.constexpr,
+                        ROTATE: tl.constexpr = False):
         """Q per block of BLOCK_M rows -> int8 [B*H, N_QPAD, D] (rows past N_Q zero) and the block's
         score scale ``max|q| / 127 * qk_scale`` [B*H, N_QPAD / BLOCK_M]: the same float32 ops as the
         in-kernel quantization. Q_ROW: one scale per row instead, ``max|q_row| / 127`` [B*H, N_QPAD]
@@ -256,11 +287,13 @@ if triton is not None:
         qp = _bhld_ptrs(Q, b, h, offs_m, offs_d, sqb, sqh, sqm, sqd)
         if Q_ROW:
             x = tl.load(qp, mask=(offs_m < N_Q)[:, None], other=0.0).to(tl.float32)
+            if ROTATE:
+                x = _fwht(x, BLOCK_M, HEAD_DIM)
             amax = tl.max(tl.abs(x), 1)
             q8 = _round_i8(x * tl.where(amax > 0, 127.0 / tl.where(amax > 0, amax, 1.0), 0.0)[:, None], 127.0)
             tl.store(QS + bh * N_QPAD + offs_m, amax / 127.0)
         else:
-            q8, qc = _quant_q_block(qp, offs_m < N_Q, qk_scale)
+            q8, qc = _quant_q_block(qp, offs_m < N_Q, qk_scale, BLOCK_M, HEAD_DIM, ROTATE)
             tl.store(QS + bh * (N_QPAD // BLOCK_M) + i, qc)
         tl.store(Q8 + bh.to(tl.int64) * N_QPAD * HEAD_DIM + offs_m[:, None] * HEAD_DIM + offs_d[None, :], q8)
 
@@ -355,7 +388,7 @@ if triton is not None:
                          MAGIC: tl.constexpr, PV_FP8: tl.constexpr, V_MEAN: tl.constexpr,
                          INTERP: tl.constexpr, IMPRECISE: tl.constexpr, TMA: tl.constexpr,
                          QPRE: tl.constexpr, ROWSUM_MMA: tl.constexpr, Q_ROW: tl.constexpr,
-                         OUT_FP8: tl.constexpr, HP: tl.constexpr):
+                         OUT_FP8: tl.constexpr, HP: tl.constexpr, ROTATE: tl.constexpr = False):
         pid_m = tl.program_id(0)
         bh = tl.program_id(1)
         b = bh // H
@@ -373,7 +406,7 @@ if triton is not None:
                 qc = tl.load(QS + bh * sqs + pid_m)
         else:
             qp = _bhld_ptrs(Q, b, h, offs_m, offs_d, sqb, sqh, sqm, sqd)
-            q8, qc = _quant_q_block(qp, offs_m < N_Q, qk_scale)
+            q8, qc = _quant_q_block(qp, offs_m < N_Q, qk_scale, BLOCK_M, HEAD_DIM, ROTATE)
         m_i = tl.zeros([BLOCK_M], dtype=tl.float32) - float("inf")
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
         if ROWSUM_MMA:
@@ -581,7 +614,7 @@ def quantize_kv(k: torch.Tensor, v: torch.Tensor, config: dict | None = None, st
         k, v, km, vm if vm is not None else km, vinv, k8, ks, vq, kp, vp, vs, hmax if hmax is not None else km,
         *k.stride(), *v.stride(), H, L, npad, kp.shape[0] if parts is not None else 0, float(max(L, 1)),
         HEAD_DIM=D, BLOCK_N=bn, PV_FP8=c["PV_FP8"], V_MEAN=c["V_MEAN"], INTERP=INTERPRET,
-        FROM_PARTS=from_parts, V_PERM32=c["GLUON"], num_warps=num_warps or (8 if c["GLUON"] else 4))
+        FROM_PARTS=from_parts, V_PERM32=c["GLUON"], ROTATE=c["ROTATE"], num_warps=num_warps or (8 if c["GLUON"] else 4))
     out = {"k8": k8, "ks": ks, "vq": vq, "km": km, "vm": vm, "vs": vs, "vinv": vinv, "n_kpad": npad,
            "v_perm32": c["GLUON"]}
     if hmax is not None:
@@ -623,7 +656,7 @@ def quantize_q(q: torch.Tensor, qk_scale: float, config: dict | None = None):
     q8 = torch.empty(B * H, npad, D, device=q.device, dtype=torch.int8)
     qs = torch.empty(B * H, npad if c["Q_ROW"] else npad // bm, device=q.device, dtype=torch.float32)
     _quant_q_kernel[(npad // bm, B * H)](q, q8, qs, *q.stride(), H, L, npad, qk_scale,
-                                         HEAD_DIM=D, BLOCK_M=bm, Q_ROW=c["Q_ROW"], num_warps=4)
+                                         HEAD_DIM=D, BLOCK_M=bm, Q_ROW=c["Q_ROW"], ROTATE=c["ROTATE"], num_warps=4)
     return q8, qs, npad
 
 
@@ -682,7 +715,7 @@ def sage_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: flo
                          f"{'' if out.is_contiguous() else ' (not contiguous)'}")
     kv = quantize_kv(k, v, c)
     if c["QPRE"]:
-        q8, qs, nqpad = quantize_q(q, sm * LOG2E, c)
+        q8, qs, nqpad = quantize_q(q, qk_scale(sm, c, D), c)
         q8_strides = (H * nqpad * D, nqpad * D, D, nqpad if c["Q_ROW"] else nqpad // c["BLOCK_M"], 1)
     else:
         q8, qs, nqpad = q, q, Lq              # unused by the kernel
@@ -699,7 +732,7 @@ def _launch(q, q8, qs, q8_strides, nqpad, kv, out, out_layout, fp8_scales, B, H,
         from . import int8_gluon
 
         return int8_gluon.launch_prequantized(q8, qs, kv, out, fp8_scales, _ones_e4m3(q.device, c["BLOCK_N"]), H, Lq, D,
-                                                sm * LOG2E, c)
+                                                qk_scale(sm, c, D), c)
     if kv.get("v_perm32"):
         raise ValueError("attention_int8: V was quantized for the Gluon kernel (keys permuted, config GLUON); the "
                          "Triton kernel needs it in key order")
@@ -723,11 +756,11 @@ def _launch(q, q8, qs, q8_strides, nqpad, kv, out, out_layout, fp8_scales, B, H,
     hmax, sx = fp8_scales if fp8_scales is not None else (kv["vs"], kv["vs"])
     _attn_fwd_kernel[grid](
         q, q8, qs, k8, kv["ks"], vq, kv["vs"], kv["vm"] if kv["vm"] is not None else kv["vs"], out, ones, hmax, sx,
-        *q.stride(), *so, *q8_strides, H, Lq, nqpad, Lk, kv["n_kpad"], sm * LOG2E,
+        *q.stride(), *so, *q8_strides, H, Lq, nqpad, Lk, kv["n_kpad"], qk_scale(sm, c, D),
         HEAD_DIM=D, BLOCK_M=c["BLOCK_M"], BLOCK_N=c["BLOCK_N"], MAGIC=c["MAGIC"], PV_FP8=c["PV_FP8"],
         V_MEAN=c["V_MEAN"], INTERP=INTERPRET, IMPRECISE=None if c["IMPRECISE"] is None else min(c["IMPRECISE"], c["BLOCK_N"]),
         TMA=c["TMA"], QPRE=c["QPRE"], ROWSUM_MMA=c["ROWSUM_MMA"], Q_ROW=c["Q_ROW"], OUT_FP8=fp8_scales is not None,
-        HP=triton.next_power_of_2(B * H) if fp8_scales is not None else 1,
+        HP=triton.next_power_of_2(B * H) if fp8_scales is not None else 1, ROTATE=c["ROTATE"],
         num_warps=c["num_warps"], num_stages=c["num_stages"], **launch)
     return out
 
@@ -744,7 +777,9 @@ def sage_attention_prequantized(q8: torch.Tensor, qs: torch.Tensor, k: torch.Ten
     tokens) as [R, H, D] partials (:func:`kv_partial_stats`; R = 1 for whole sums), reduced by the K/V pre-kernel
     (``reduce_once``: :func:`quantize_kv`'s, the same bits either way); every
     scale of the route is computed by the kernels (no torch op between the launches). ``scale`` > 0 (default D ** -0.5). ``config``: launch configuration (default
-    :func:`tuned_config`); ``Q_ROW`` and ``QPRE`` are forced on, ``V_MEAN`` must be off and ``PV_FP8`` on.
+    :func:`tuned_config`); ``Q_ROW`` and ``QPRE`` are forced on, ``V_MEAN`` must be off and ``PV_FP8`` on. With
+    ``ROTATE`` (the default) q8 / qs must be of the Hadamard-rotated q (``qk_norm_rope_sage(rotate=True)``); K is
+    rotated here.
     Returns [1, L, H*D] in k's dtype (core's layout), or with ``out_fp8`` the out_proj input of the fp8 path:
     (e4m3 [L, H*D], row scales float32 [L, 1], all equal to ``max(vamax) / 448`` (1/448 when v is all zero):
     the output of a softmax is a convex combination of v's rows, so no element exceeds max |v|). ValueError on
@@ -797,6 +832,34 @@ def sage_attention_prequantized(q8: torch.Tensor, qs: torch.Tensor, k: torch.Ten
 
 # ------------------------------------------------------------------------------ torch reference
 
+def fwht(x: torch.Tensor) -> torch.Tensor:
+    """``x @ H_D`` for float32 x [..., D] (D a power of two), H_D the unnormalised Sylvester Hadamard matrix (entries
+    +-1; ``H_D H_D^T = D I``), by the butterfly stages of the kernels' ``_fwht`` (the same float32 ops, the same bits).
+    ``(q H)(k H)^T = D q k^T``: the rotated paths divide the score scale by D (:func:`qk_scale`)."""
+    d = x.shape[-1]
+    if d < 1 or d & (d - 1):
+        raise ValueError(f"attention_int8.fwht: last dim {d} is not a power of two")
+    h = 1
+    while h < d:
+        x4 = x.reshape(*x.shape[:-1], d // (2 * h), 2, h)
+        a, b = x4[..., 0, :], x4[..., 1, :]
+        x = torch.stack((a + b, a - b), dim=-2).reshape(*x.shape[:-1], d)
+        h *= 2
+    return x
+
+
+def hadamard(d: int, dtype=torch.float64) -> torch.Tensor:
+    """The normalised Sylvester Hadamard matrix H_D / sqrt(D) [d, d] (orthogonal, symmetric)."""
+    return fwht(torch.eye(d, dtype=torch.float32)).to(dtype) / math.sqrt(d)
+
+
+def qk_scale(sm: float, config: dict, head_dim: int) -> float:
+    """The kernels' score scale in the exp2 domain: ``sm * log2(e)``, divided by ``head_dim`` when ``ROTATE`` (q and k
+    multiplied by the unnormalised H_D: the dot products are D times larger; D is a power of two, so exact)."""
+    s = float(sm) * LOG2E
+    return s / head_dim if config["ROTATE"] else s
+
+
 def _round_half_away(x: torch.Tensor, lim: float) -> torch.Tensor:
     x = x.clamp(-lim, lim)
     return torch.trunc(x + torch.where(x >= 0, 0.5, -0.5))
@@ -827,6 +890,8 @@ def quantize_reference(q, k, v, config: dict | None = None):
     km, vm, vs, vinv = kv_stats(k, v, c["V_MEAN"], c["PV_FP8"])
     qf = q.float().reshape(B * H, Lq, D)
     kf = k.float().reshape(B * H, Lk, D) - km[:, None, :]
+    if c["ROTATE"]:
+        qf, kf = fwht(qf), fwht(kf)
     q8, qs = _block_quant(qf, 1 if c["Q_ROW"] else c["BLOCK_M"])
     k8, ks = _block_quant(kf, c["BLOCK_N"])
     vf = v.float().reshape(B * H, Lk, D)
@@ -854,7 +919,7 @@ def sage_reference(q, k, v, scale: float | None = None, config: dict | None = No
     rows = torch.arange(Lq, device=q.device) if rows is None else rows
     bm, bn = c["BLOCK_M"], c["BLOCK_N"]
     q8 = qz["q8"][:, rows].double()                                     # [G, r, D]
-    qc = qz["qs"][:, rows if c["Q_ROW"] else rows // bm].double() * sm * LOG2E     # [G, r]
+    qc = qz["qs"][:, rows if c["Q_ROW"] else rows // bm].double() * qk_scale(sm, c, D)     # [G, r]
     G, r = qc.shape
     m = torch.full((G, r), -math.inf, dtype=torch.float64, device=q.device)
     l = torch.zeros((G, r), dtype=torch.float64, device=q.device)

@@ -49,19 +49,22 @@ class Int8SageAttention:
     the process-wide ``exact`` override), with one INFO log line per reason; so does a CUDA GPU without
     FP8 tensor cores (compute capability < 8.9, fp8 P V) and a call whose kernel raises (build failure).
     ``calls``/``fallbacks``: counters. ``config``: launch configuration (default None:
-    :func:`.int8_kernels.tuned_config` per call).
+    :func:`.int8_kernels.tuned_config` per call). ``guard``: a :class:`.guard.LayerGuard` (the process-wide override
+    has one): each layer is checked on its first call of a shape against exact attention on sampled rows, and a
+    failing layer runs ``fallback`` from then on (that call included); None: no check.
     """
 
     backend = NAME
 
     def __init__(self, fallback: Callable | None = None, devices: Sequence[str] = DEVICES,
-                 config: dict | None = None):
+                 config: dict | None = None, guard=None):
         self.fallback = fallback if fallback is not None else exact.exact_override()
         self.devices = tuple(devices)
         self.config = _kernels()._cfg(config) if config is not None else None    # None: tuned_config per call
         if self.config is not None and self.config["GLUON"]:
             raise ValueError("int8_sage: config GLUON is not an override configuration (the Gluon kernel serves the "
                              "fused block's route only: kernels.fused.SETTINGS['sage_gluon'])")
+        self.guard = guard
         self.calls = 0
         self.fallbacks = 0
 
@@ -99,6 +102,10 @@ class Int8SageAttention:
         if isinstance(call, str):
             return self._fall(call, func, args, kwargs)
         q4, k4, v4 = call.q, call.k, call.v
+        guard = self.guard
+        layer = guard.layer(kwargs.get("transformer_options")) if guard is not None else None
+        if guard is not None and guard.runs_exact(layer):
+            return self.fallback(func, *args, **kwargs)
         B, H, Lq, D = q4.shape
         why = self.kernel_problem(q4.device, q4.dtype, D)
         if why is not None:
@@ -116,14 +123,26 @@ class Int8SageAttention:
         except Exception as e:   # e.g. a Triton build failure on this GPU/driver: say so once, run exact
             return self._fall(f"8-bit kernel failed ({type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''})",
                               func, args, kwargs)
+        if guard is not None:
+            from .exact import shape_key
+            from .guard import out_rows
+
+            key = shape_key(q4, k4)
+            if guard.needs_check(layer, key):
+                rows = guard.sample(Lq, q4.device)
+                if not guard.check(layer, key, q4[:, :, rows], k4, v4, out_rows(out, rows, H, layout == "bhld"),
+                                   call.scale):
+                    return self.fallback(func, *args, **kwargs)
         self.calls += 1
         return out
 
 
 def int8_override() -> Int8SageAttention:
     """The process-wide ``int8_sage`` override (:data:`h3_turbo.state.ATTENTION_INT8`; falls back to
-    :func:`.exact.exact_override`)."""
-    return state.ATTENTION_INT8.get(Int8SageAttention)
+    :func:`.exact.exact_override`), with a per-layer :class:`.guard.LayerGuard`."""
+    from .guard import LayerGuard
+
+    return state.ATTENTION_INT8.get(lambda: Int8SageAttention(guard=LayerGuard(NAME)))
 
 
 class Int8SageBackend(AttentionBackend):

@@ -1,0 +1,288 @@
+"""Issue 38: the attention stress corpus (kernels/attention/stress.py), the rotated INT8 Q/K of int8_sage
+(kernels/attention/int8_kernels.py ROTATE, the fused route's producer) and the per-layer accuracy guard
+(kernels/attention/guard.py), on the CPU.
+
+The Triton kernels run under TRITON_INTERPRET=1 (set before triton is imported): ``test_interpreted_in_subprocess``
+re-runs this file's ``test_interp_*`` tests in a fresh interpreter with it. Bounds: the issue's targets for every
+8-bit backend run by default or in auto8 (relative L2 <= 8 %, min per-head cosine >= 0.997 against float32
+attention) at small shapes.
+"""
+from __future__ import annotations
+
+import logging
+import math
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+import torch
+
+INTERP = os.environ.get("TRITON_INTERPRET") == "1"
+
+from h3_turbo.kernels.attention import cudnn_fp8 as C  # noqa: E402
+from h3_turbo.kernels.attention import guard as G  # noqa: E402
+from h3_turbo.kernels.attention import int8_kernels as Q  # noqa: E402
+from h3_turbo.kernels.attention import stress  # noqa: E402
+from h3_turbo.kernels.attention.reference import accuracy, reference_attention  # noqa: E402
+
+interp = pytest.mark.skipif(not INTERP, reason="needs TRITON_INTERPRET=1 (run by test_interpreted_in_subprocess)")
+REL_MAX, COS_MIN = 0.08, 0.997
+#: the Hopper configuration int8_sage runs by default (tuned_config on compute capability 9.x) at small blocks
+HOPPER = {**Q.HOPPER_CONFIGS[0][1], "BLOCK_M": 64, "BLOCK_N": 128}
+
+
+def _call(case, S=256, H=2, D=128, seed=0):
+    return stress.bhld(*stress.make(case, S, H, D, seed=seed))
+
+
+# ------------------------------------------------------------------ torch only (in process)
+
+def test_cases_are_deterministic_views_of_one_qkv_buffer_with_their_statistics():
+    assert list(stress.CASES) == ["rand", "k_outlier", "qk_outlier", "k_bias", "massive", "sharp"]
+    for case in stress.CASES:
+        q, k, v = stress.make(case, 50, 3, 64, seed=5)
+        assert q.shape == (1, 50, 3, 64) and q.dtype == torch.bfloat16
+        assert q.untyped_storage().data_ptr() == v.untyped_storage().data_ptr() and q.stride(1) == 3 * 3 * 64
+        q2, k2, v2 = stress.make(case, 50, 3, 64, seed=5)
+        assert torch.equal(q, q2) and torch.equal(k, k2) and torch.equal(v, v2)
+        assert stress.bhld(q).shape == (1, 3, 50, 64)
+    _, k0, _ = stress.rand(400, 2, 128, seed=1)
+    q1, k1, _ = stress.k_outlier(400, 2, 128, seed=1)
+    amax = k1.float().abs().amax(dim=1)[0]                          # [H, D]
+    ratio = amax / amax.median(dim=-1, keepdim=True).values
+    assert ((ratio > 8).sum(-1) == stress.N_CHANNELS).all()          # 4 channels per head x 24
+    _, kb, _ = stress.k_bias(400, 2, 128, seed=1)
+    assert ((kb.float().mean(1)[0] > 10).sum(-1) == stress.N_CHANNELS).all()
+    _, km, vm = stress.massive(400, 2, 128, seed=1)
+    norms = vm.float().norm(dim=-1)[0, :, 0]
+    assert set(norms.topk(stress.N_MASSIVE).indices.tolist()) == set(stress.massive_rows(400).tolist())
+    with pytest.raises(ValueError, match="unknown case"):
+        stress.make("nope", 10, 1, 64)
+
+
+def test_fwht_is_the_hadamard_product_and_keeps_q_dot_k():
+    x = torch.randn(5, 3, 128)
+    h = Q.hadamard(128)
+    assert torch.allclose(h @ h.T, torch.eye(128, dtype=torch.float64), atol=1e-12)
+    assert (Q.fwht(x).double() / math.sqrt(128) - x.double() @ h).abs().max() < 1e-5
+    q, k, _ = _call("k_outlier", S=64)
+    s0 = q[0].double() @ k[0].double().transpose(-1, -2)
+    s1 = (q[0].double() @ h) @ (k[0].double() @ h).transpose(-1, -2)       # the eager reference: q.k unchanged
+    assert (s1 - s0).abs().max() < 1e-9 * s0.abs().max()
+    # the kernels' unnormalised transform: scores D times larger, folded into the score scale
+    assert Q.qk_scale(0.5, {"ROTATE": True}, 128) == 0.5 * Q.LOG2E / 128
+    with pytest.raises(ValueError, match="power of two"):
+        Q.fwht(torch.zeros(2, 48))
+
+
+def test_rotation_in_the_quantization_model_fixes_k_outlier_and_its_absence_fails():
+    """The torch model of the kernels (quantize_reference + sage_reference, the bits the kernels are tested against):
+    rotated within the bound on every case, the unrotated quantization far outside it on k_outlier (negative
+    control)."""
+    for case in stress.CASES:
+        q, k, v = _call(case, seed=3)
+        ref = reference_attention(q, k, v)
+        rot = accuracy(Q.sage_reference(q, k, v, config=HOPPER).view(2, 256, 128).float(), ref)
+        assert rot["rel_l2"] <= REL_MAX and rot["cos_min"] >= COS_MIN, (case, rot)
+        if case == "k_outlier":
+            plain = accuracy(Q.sage_reference(q, k, v, config={**HOPPER, "ROTATE": False}).view(2, 256, 128).float(),
+                             ref)
+            assert plain["rel_l2"] > 0.15 and plain["cos_min"] < 0.99, plain
+
+
+def test_cudnn_fp8_model_on_the_corpus():
+    """cudnn_fp8's eager model (per-tensor e4m3 scales): robust to k_outlier, outside the bound on qk_outlier and
+    sharp (why it is not offered by default; the GPU benchmark measures cuDNN itself)."""
+    got = {}
+    for case in stress.CASES:
+        q, k, v = _call(case)
+        o8, d = C.emulate_sdpa_fp8(q, k, v)
+        got[case] = accuracy((o8.float() * d)[0], reference_attention(q, k, v))
+    assert got["k_outlier"]["rel_l2"] < REL_MAX
+    assert got["qk_outlier"]["rel_l2"] > 0.12 and got["sharp"]["cos_min"] < COS_MIN, got
+
+
+class _Approx:
+    """A stand-in 8-bit attention for the guard: int8_sage's torch model, unrotated (fails k_outlier)."""
+
+    def __call__(self, q, k, v):
+        return Q.sage_reference(q, k, v, config={**HOPPER, "ROTATE": False}).view(q.shape).to(q.dtype)
+
+
+def test_guard_runs_exact_only_for_the_layer_that_fails(caplog):
+    """Four layers (calls of one forward), layer 2 with k_outlier inputs: only layer 2 fails (logged once with its
+    numbers) and runs exact from then on; the next forward's first call logs the summary; nothing is re-checked."""
+    g = G.LayerGuard("test8", rows=64)
+    layers = [_call("k_outlier" if i == 2 else "rand", S=256, seed=i) for i in range(4)]
+    approx = _Approx()
+
+    def forward(sig):
+        to = {"sigmas": sig}
+        outs = []
+        for q, k, v in layers:
+            lay = g.layer(to)
+            if g.runs_exact(lay):
+                outs.append(("exact", lay))
+                continue
+            out = approx(q, k, v)
+            key = ("shape", q.shape)
+            if g.needs_check(lay, key):
+                rows = g.sample(q.shape[2])
+                if not g.check(lay, key, q[:, :, rows], k, v, out[:, :, rows]):
+                    outs.append(("exact", lay))
+                    continue
+            outs.append(("8bit", lay))
+        return outs
+
+    with caplog.at_level(logging.INFO, logger="h3_turbo"):
+        first = forward(torch.tensor([1.0]))
+        assert first == [("8bit", ("call", 0)), ("8bit", ("call", 1)), ("exact", ("call", 2)), ("8bit", ("call", 3))]
+        assert g.checks == 4 and set(g.exact) == {("call", 2)}
+        vd = g.exact[("call", 2)]
+        assert vd.cos_min < COS_MIN or vd.rel_l2 > 0.10
+        fails = [r.getMessage() for r in caplog.records if "fails" in r.getMessage()]
+        assert len(fails) == 1 and "layer call 2" in fails[0] and f"{vd.cos_min:.5f}" in fails[0]
+        second = forward(torch.tensor([0.5]))
+        assert second == first and g.checks == 4                       # checked once per (layer, shape)
+    summ = [r.getMessage() for r in caplog.records if "checked attention layers" in r.getMessage()]
+    assert len(summ) == 1 and "3 of 4 checked attention layers run 8-bit; exact: call 2" in summ[0], summ
+    assert g.layer({"sigmas": torch.tensor([0.1]), "block_index": 7}) == ("block", 7)
+    assert g.layer(None) == ("call", None)
+
+
+def test_guard_measure_against_sampled_exact_rows():
+    q, k, v = _call("rand", S=300, H=3, D=64)
+    rows = G.sample_rows(300, 64)
+    assert rows.numel() == 64 and rows[0] == 0 and rows[-1] == 299
+    exact = torch.nn.functional.scaled_dot_product_attention(q, k, v)
+    cos, rel = G.measure(exact[:, :, rows], q[:, :, rows], k, v)
+    assert cos > 0.99999 and rel < 1e-6
+    cos, rel = G.measure(exact[:, :, rows] * 1.2, q[:, :, rows], k, v)
+    assert abs(rel - 0.2) < 1e-3 and cos > 0.99999                   # a scaled output: cosine blind, L2 not
+    bad = exact[:, :, rows].clone()
+    bad[0, 1] = torch.flip(bad[0, 1], dims=[0])                     # one head's rows shuffled
+    cos, _ = G.measure(bad, q[:, :, rows], k, v)
+    assert cos < 0.9
+    bad[0, 0, 0, 0] = float("nan")
+    assert G.measure(bad, q[:, :, rows], k, v) == (pytest.approx(float("nan"), nan_ok=True), math.inf)
+    # blhd output layout -> [B, H, r, D]
+    o = exact.transpose(1, 2).reshape(1, 300, 3 * 64)
+    assert torch.equal(G.out_rows(o, rows, 3, False), exact[:, :, rows])
+
+
+# ------------------------------------------------------------------ interpreted kernels
+
+@interp
+@pytest.mark.parametrize("case", list(stress.CASES))
+def test_interp_int8_sage_default_hopper_config_on_every_case(case):
+    """int8_sage's kernel with the Hopper configuration it runs by default (rotated, one Q scale per row) within the
+    bound on every case; its quantized K equals the torch model bit for bit; without the rotation k_outlier fails."""
+    q, k, v = _call(case)
+    ref = reference_attention(q, k, v)
+    out = Q.sage_attention(q, k, v, config=HOPPER)
+    acc = accuracy(out[0].float(), ref)
+    assert acc["rel_l2"] <= REL_MAX and acc["cos_min"] >= COS_MIN, acc
+    kv = Q.quantize_kv(k, v, HOPPER)
+    z = Q.quantize_reference(q, k, v, HOPPER)
+    assert torch.equal(kv["k8"][:, :256].float(), z["k8"]) and torch.equal(kv["ks"], z["ks"])
+    if case == "k_outlier":   # negative control: the unrotated kernel
+        plain = accuracy(Q.sage_attention(q, k, v, config={**HOPPER, "ROTATE": False})[0].float(), ref)
+        assert plain["rel_l2"] > 0.15 and plain["cos_min"] < 0.99, plain
+
+
+def _producer_inputs(case: str, S=192, H=2, d=128, seed=0):
+    """qkv / rope table / norm weights whose RMSNorm + RoPE output has ``case``'s channel statistics (the outlier
+    gains carried by the norm weights, as a trained k_norm would)."""
+    g = torch.Generator().manual_seed(seed)
+    qkv = torch.randn(S, 3 * H * d, generator=g).to(torch.bfloat16)
+    r2 = d * 3 // 8
+    ang = torch.randn(S, r2, generator=g) * 3.0
+    c, sn = torch.cos(ang), torch.sin(ang)
+    table = torch.stack([c, -sn, sn, c], dim=-1).reshape(1, S, 1, r2, 2, 2)
+    qw = 1.0 + 0.5 * torch.rand(d, generator=g)
+    kw = 1.0 + 0.5 * torch.rand(d, generator=g)
+    ch = torch.randperm(d - 2 * r2, generator=g)[:4] + 2 * r2          # pass-through channels (no RoPE mixing)
+    if case == "k_outlier":
+        kw[ch] *= 24.0
+        qw[ch] *= 0.05
+    elif case == "qk_outlier":
+        kw[ch] *= 6.0
+        qw[ch] *= 6.0
+    return qkv, table, qw.to(torch.bfloat16), kw.to(torch.bfloat16)
+
+
+@interp
+@pytest.mark.parametrize("case", ["rand", "k_outlier", "qk_outlier"])
+def test_interp_fused_route_producer_and_kernel(case):
+    """The fused route (qk_norm_rope_sage rotating q after RoPE + sage_attention_prequantized) within the bound on
+    outlier channels made by the norm weights; its output is the standalone kernel's (Q_ROW) on qk_norm_rope's q / k
+    bit for bit, rotated or not (the producer and the Q pre-kernel rotate with the same float32 ops); the unrotated
+    route fails k_outlier."""
+    from h3_turbo.kernels import fused as fk
+
+    S, H, d = 192, 2, 128
+    qkv, table, qw, kw = _producer_inputs(case, S, H, d)
+    inner = H * d
+    rope = qkv.clone()
+    fk.qk_norm_rope(rope, H, d, table, qw, kw, 1e-6)
+    view = lambda t: t.reshape(S, H, d).transpose(0, 1).unsqueeze(0)    # noqa: E731
+    q4, k4, v4 = view(rope[:, :inner]), view(rope[:, inner:2 * inner]), view(rope[:, 2 * inner:])
+    ref = reference_attention(q4, k4, v4)
+    res = {}
+    monkey = fk.SETTINGS["sage_stats"]
+    fk.SETTINGS["sage_stats"] = "torch"          # one torch sum: the statistics the standalone kernel takes
+    try:
+        for rot in (True, False):
+            x = qkv.clone()
+            prep = fk.qk_norm_rope_sage(x, H, d, table, qw, kw, 1e-6, rotate=rot)
+            cfg = {"BLOCK_M": 64, "BLOCK_N": 128, "ROTATE": rot}
+            out = Q.sage_attention_prequantized(prep["q8"], prep["qs"], view(x[:, inner:2 * inner]),
+                                                view(x[:, 2 * inner:]), prep["ksum"], prep["vamax"], config=cfg)
+            want = Q.sage_attention(q4, k4, v4, config={**cfg, "QPRE": True, "Q_ROW": True}, out_layout="blhd")
+            assert torch.equal(out, want), rot
+            res[rot] = accuracy(out[0].view(S, H, d).transpose(0, 1).float(), ref)
+    finally:
+        fk.SETTINGS["sage_stats"] = monkey
+    assert res[True]["rel_l2"] <= REL_MAX and res[True]["cos_min"] >= COS_MIN, res
+    if case == "k_outlier":
+        assert res[False]["rel_l2"] > 0.15 and res[False]["cos_min"] < 0.99, res
+
+
+@interp
+def test_interp_int8_override_guard_runs_a_failing_layer_exact(caplog):
+    """The int8_sage override with a guard: an unrotated kernel (the negative control) on a k_outlier layer is caught
+    on its first call and that layer returns exact attention, while a rand layer keeps the kernel."""
+    from h3_turbo.kernels.attention import exact as A
+    from h3_turbo.kernels.attention import int8_sage as S8
+
+    ov = S8.Int8SageAttention(fallback=A.cpu_exact(), devices=("cpu",), config={**HOPPER, "ROTATE": False},
+                              guard=G.LayerGuard("int8_sage", rows=64))
+    core = lambda *a, **k: (_ for _ in ()).throw(AssertionError("core called"))   # noqa: E731
+    to = {"sigmas": torch.tensor([1.0])}
+    q0, k0, v0 = _call("rand", seed=1)
+    q1, k1, v1 = _call("k_outlier", seed=2)
+    with caplog.at_level(logging.WARNING, logger="h3_turbo"):
+        o0 = ov(core, q0, k0, v0, 2, skip_reshape=True, skip_output_reshape=True, transformer_options=to)
+        o1 = ov(core, q1, k1, v1, 2, skip_reshape=True, skip_output_reshape=True, transformer_options=to)
+    assert ov.calls == 1 and set(ov.guard.exact) == {("call", 1)}
+    exact1 = A.cpu_exact()(core, q1, k1, v1, 2, skip_reshape=True, skip_output_reshape=True)
+    assert torch.equal(o1, exact1)
+    assert accuracy(o0[0].float(), reference_attention(q0, k0, v0))["cos_min"] > 0.998
+    assert any("layer call 1 fails" in r.getMessage() for r in caplog.records)
+
+
+# ------------------------------------------------------------------ runner
+
+@pytest.mark.skipif(INTERP, reason="already interpreted")
+def test_interpreted_in_subprocess():
+    """Runs this file's ``test_interp_*`` tests in a fresh interpreter with TRITON_INTERPRET=1."""
+    pytest.importorskip("triton")
+    env = dict(os.environ, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="")
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", "test_interp_",
+                           os.path.abspath(__file__)], env=env, capture_output=True, text=True, timeout=900)
+    tail = proc.stdout[-6000:] + proc.stderr[-2000:]
+    assert proc.returncode == 0, tail
+    m = re.search(r"(\d+) passed", proc.stdout)
+    assert m and int(m.group(1)) == 10, tail

@@ -30,8 +30,10 @@ already hold, instead of writing bf16 and quantizing it in a separate pass:
 - :func:`fp8_gemm`: rowwise ``torch._scaled_mm`` on an already quantized input (the ``fp8`` path's GEMM without
   its quantization pass); :func:`fp8_gemm_ref` its fp32 emulation.
 
-Segments (core's ``mod_segments``): ``[(start, stop, mod_row)]`` covering rows ``0..M`` contiguously in order;
-:func:`segment_rows` turns them into an int32 row -> modulation-row index (validated, cached).
+Segments (core's ``mod_segments``): ``[(start, stop, mod_row)]`` covering rows ``0..M`` contiguously in order, where
+``mod_row`` is an int or (newer cores, a latent denoise mask: core's ``_mod_row``) an integer index tensor with one
+entry per row of the segment; :func:`segment_rows` turns them into an int32 row -> modulation-row index (validated,
+cached). The kernels read one modulation row per stream row either way.
 
 Inputs: x / other / h bf16 or fp16, 2-D with unit column stride (row strides free); ``w`` [K] any float dtype;
 shift / scale / gate [R, K] (row stride free: core's AdaLN chunks are column slices of one [R, 6K] tensor).
@@ -44,6 +46,7 @@ from __future__ import annotations
 
 import math
 import os
+import weakref
 from typing import Sequence
 
 import torch
@@ -119,30 +122,59 @@ except Exception as e:  # noqa: BLE001 - no Triton: the wrappers raise, the eage
 _SEG_CACHE: dict = {}
 
 
-def segment_rows(segments: Sequence[tuple[int, int, int]], m: int, device) -> torch.Tensor:
-    """int32 [m] on ``device``: entry r = the modulation row of the segment holding row r.
+def segment_rows(segments: Sequence[tuple], m: int, device, limit: int | None = None) -> torch.Tensor:
+    """int32 [m] on ``device``: entry r = the modulation row of row r.
 
-    ``segments``: core's ``mod_segments`` [(start, stop, mod_row)], contiguous from 0 to ``m`` in order (ValueError
-    otherwise, naming the first bad segment). Cached per (segments, m, device) (at most 64 entries)."""
-    key = (tuple((int(a), int(b), int(r)) for a, b, r in segments), int(m), str(device))
+    ``segments``: core's ``mod_segments`` [(start, stop, mod_row)], contiguous from 0 to ``m`` in order; ``mod_row``
+    an int, or an integer index tensor [stop - start] (one row per token, newer cores). ``limit``: the modulation
+    table's row count (every row must be below it). ValueError otherwise, naming the first bad segment. Cached per
+    (segments, m, device, limit), index tensors by identity and version (at most 64 entries)."""
+    from ..runtime.core_compat import check_mod_row
+
+    parts, refs = [], []
+    for i, (a, b, r) in enumerate(segments):
+        a, b = int(a), int(b)
+        r = check_mod_row(r, max(b - a, 0), f"mod_segments[{i}]")
+        if isinstance(r, torch.Tensor):
+            parts.append((a, b, ("tensor", id(r), r._version)))
+            refs.append(r)
+        else:
+            parts.append((a, b, int(r)))
+    key = (tuple(parts), int(m), str(device), limit)
     hit = _SEG_CACHE.get(key)
-    if hit is not None:
-        return hit
-    pos = 0
-    for i, (a, b, r) in enumerate(key[0]):
-        if a != pos or b < a or r < 0:
-            raise ValueError(f"mod_segments[{i}] = {(a, b, r)}: segments must cover rows 0..{m} contiguously in "
-                             f"order with mod_row >= 0 (expected a start of {pos})")
+    if hit is not None and len(hit[1]) == len(refs) and all(w() is t for w, t in zip(hit[1], refs)):
+        return hit[0]
+    pos, ti = 0, 0
+    hi = -1 if limit is None else int(limit)
+    allowed = ">= 0" if limit is None else f"in 0..{hi - 1}"
+    idx = torch.zeros(m, dtype=torch.int32)
+    fills = []
+    for i, (a, b, r) in enumerate(parts):
+        if a != pos or b < a:
+            shown = (a, b, r if not isinstance(r, tuple) else "per-token rows")
+            raise ValueError(f"mod_segments[{i}] = {shown}: segments must cover rows 0..{m} contiguously in order "
+                             f"(expected a start of {pos})")
+        if isinstance(r, tuple):
+            t = refs[ti]
+            ti += 1
+            lo_r, hi_r = (int(v) for v in torch.aminmax(t)) if t.numel() else (0, 0)
+            if lo_r < 0 or (limit is not None and hi_r >= hi):
+                raise ValueError(f"mod_segments[{i}] = ({a}, {b}, per-token rows {lo_r}..{hi_r}): modulation rows "
+                                 f"must be {allowed}")
+            fills.append((a, b, t))
+        else:
+            if r < 0 or (limit is not None and r >= hi):
+                raise ValueError(f"mod_segments[{i}] = {(a, b, r)}: modulation rows must be {allowed}")
+            idx[a:b] = r
         pos = b
     if pos != m:
         raise ValueError(f"mod_segments cover rows 0..{pos}, but the activation has {m} rows")
-    idx = torch.empty(m, dtype=torch.int32)
-    for a, b, r in key[0]:
-        idx[a:b] = r
     idx = idx.to(device)
+    for a, b, t in fills:
+        idx[a:b] = t.to(device=idx.device, dtype=torch.int32)
     if len(_SEG_CACHE) >= 64:
         _SEG_CACHE.clear()
-    _SEG_CACHE[key] = idx
+    _SEG_CACHE[key] = (idx, [weakref.ref(t) for t in refs])
     return idx
 
 

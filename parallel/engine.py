@@ -5,8 +5,8 @@ Contract (one sequence-parallel group of N ranks, every rank running the same fo
 - :class:`SequenceShard` holds the per-forward plan. Its :class:`BlockHook` objects go into core's per-block hook
   ``transformer_options["patches_replace"]["dit"][("double_block", i)]`` (``MiniMaxH3Model._forward``). At block 0
   the hook pads the packed sequence h [S, hidden] to N*L rows (L = ceil(S/N), zero rows at the end) and keeps rows
-  [rank*L, (rank+1)*L); ``mod_segments`` are cut to the local rows and ``rope_freqs`` [1, S, 1, r, 2, 2] sliced (zero
-  rows for the padding). Each block then runs on the local rows only (core's own block, or the hook that was there
+  [rank*L, (rank+1)*L); ``mod_segments`` are cut to the local rows (a per-token row tensor of a newer core with them)
+  and ``rope_freqs`` [1, S, 1, r, 2, 2] sliced (zero rows for the padding). Each block then runs on the local rows only (core's own block, or the hook that was there
   before: it is called with the shard, never replaced). After the last block the hook all-gathers the rows and trims
   the padding, so core's final layer sees the full sequence [S, hidden] on every rank.
 - :class:`UlyssesAttention` is the attention override (``transformer_options["optimized_attention_override"]``). While a
@@ -112,11 +112,22 @@ class ShardPlan:
 
 
 def local_segments(segments, lo: int, hi: int) -> list:
-    """Core's ``mod_segments`` [(a, b, row)] (absolute rows) cut to the rows [lo, hi), in local coordinates."""
+    """Core's ``mod_segments`` [(a, b, row)] (absolute rows) cut to the rows [lo, hi), in local coordinates. A row is
+    an int, or (newer cores, a latent denoise mask) an index tensor with one entry per row of the segment, cut with
+    the rows. Another kind of row is a SequenceParallelError naming it and the ComfyUI version."""
+    from ..runtime.core_compat import check_mod_row
+
     out = []
     for a, b, row in segments:
-        a2, b2 = max(int(a), lo), min(int(b), hi)
+        a, b = int(a), int(b)
+        try:
+            row = check_mod_row(row, b - a, "H3 Turbo Multi-GPU (mod_segments of the per-block hook)")
+        except ValueError as e:
+            raise SequenceParallelError(str(e)) from None
+        a2, b2 = max(a, lo), min(b, hi)
         if a2 < b2:
+            if isinstance(row, torch.Tensor):
+                row = row[a2 - a:b2 - a]
             out.append((a2 - lo, b2 - lo, row))
     return out
 

@@ -9,11 +9,18 @@
   :func:`fc2_bypass_reason` says why one fc2 layer needs the Turbo branch at the MLP level.
 - :func:`pdd_heads`: whether core's FinalLayer runs PDD head banks (``final_layer.video_out`` with n heads).
 - :func:`fun_controlnet`: whether core has the Fun ControlNet node (``MiniMaxH3FunControlNetApply``).
+- :func:`mod_rows`: what a modulation row in core's ``mod_segments`` [(start, stop, row)] (and the final layer's
+  ``video_seg`` / ``audio_seg``) may be: ``"index"`` (0.33: one int per segment) or ``"index|per-token"`` (cores with
+  ``_mod_row``, 2026-08-22 and newer: also an int64 index tensor with one entry per row of the segment, made for a
+  latent denoise mask). :func:`check_mod_row` validates one row against that contract for the hooks that
+  re-implement core's modulation (the fused block, the Multi-GPU shard).
 Comfy is imported lazily (these are called with a booted ComfyUI).
 """
 from __future__ import annotations
 
 import sys
+
+import torch
 
 FUN_CONTROL_PATCH = "MiniMaxH3FunControlPatch"  # core's class whose bound method is the Fun ControlNet's wrapper
 
@@ -62,11 +69,49 @@ def fun_controlnet() -> bool:
     return hasattr(mod, "MiniMaxH3FunControlNetApply")
 
 
+def core_version() -> str:
+    """ComfyUI's ``comfyui_version.__version__``, or "unknown"."""
+    try:
+        import comfyui_version
+
+        return str(comfyui_version.__version__)
+    except Exception:  # noqa: BLE001
+        return "unknown"
+
+
+def mod_rows() -> str:
+    """``"index|per-token"`` when core's H3 has ``_mod_row`` (a modulation row may be a per-token index tensor), else
+    ``"index"``."""
+    import comfy.ldm.minimax.model as m
+
+    return "index|per-token" if callable(getattr(m, "_mod_row", None)) else "index"
+
+
+def check_mod_row(row, n: int, where: str):
+    """The modulation row of one segment of ``n`` rows, as core's ``_mod_row`` reads it: an int (also a 0-d integer
+    tensor, returned as int) or an integer index tensor [n] (returned as it is). Anything else is a ValueError naming
+    ``where``, the row's type / shape and the ComfyUI version (a core whose modulation rows the pack does not know)."""
+    if isinstance(row, torch.Tensor):
+        if not row.dtype.is_floating_point and not row.dtype.is_complex and row.dtype != torch.bool:
+            if row.ndim == 0:
+                return int(row)
+            if row.ndim == 1 and row.shape[0] == n:
+                return row
+        what = f"a {row.dtype} tensor of shape {tuple(row.shape)}"
+    elif isinstance(row, int) and not isinstance(row, bool):
+        return row
+    else:
+        what = f"a {type(row).__name__}"
+    raise ValueError(f"{where}: core's modulation row is {what}; the pack knows an int or an integer index tensor "
+                     f"with one entry per row of the segment ({n}) (ComfyUI {core_version()})")
+
+
 def hook_points() -> dict[str, str]:
     """{hook point: the variant the core in use has}."""
     return {"linear_input_act fc2 bypass": fc2_bypass(),
             "FinalLayer PDD head banks": "yes" if pdd_heads() else "no",
-            "MiniMaxH3FunControlNetApply": "yes" if fun_controlnet() else "no"}
+            "MiniMaxH3FunControlNetApply": "yes" if fun_controlnet() else "no",
+            "mod_segments modulation rows": mod_rows()}
 
 
 def is_fun_controlnet_wrapper(fn) -> bool:

@@ -268,6 +268,12 @@ class FusedBlockPatch:
             why = _norm_blocker(getattr(block.attn, qn), x, f"attn.{qn}")
             if why is not None:
                 return why
+        try:       # core's modulation rows (an int or a per-token index tensor per segment) as the kernels' row table
+            t_emb = args["t_emb"]
+            fk.segment_rows(args["mod_segments"], x.shape[0], x.device,
+                            limit=t_emb.shape[0] * int(getattr(block.adaln_proj, "modalities", 3)))
+        except ValueError as e:
+            return f"mod_segments the fused block does not take ({e}; ComfyUI {core_version()})"
         return None
 
     def _take_pending(self, x, args: dict) -> "_Pending | None":
@@ -560,7 +566,7 @@ def fused_forward(block, x, t_emb, mod_segments, rope_freqs, transformer_options
     comfy.ops.run_every_op()
     shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = block.adaln_proj(t_emb)
     s = x.shape[0]
-    rows = fk.segment_rows(mod_segments, s, x.device)
+    rows = fk.segment_rows(mod_segments, s, x.device, limit=shift_msa.shape[0])
     n1, n2, at, mlp = block.norm1, block.norm2, block.attn, block.mlp
     w1, w2 = _weight(n1, x), _weight(n2, x)
     e1, e2 = _eps(n1, x), _eps(n2, x)

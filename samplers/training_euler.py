@@ -387,9 +387,15 @@ def sample_h3_turbo(model, x, sigmas, extra_args=None, callback=None, disable=No
     contract's rule), "euler" (deterministic) or "renoise" (fresh noise from a CPU generator seeded with
     ``extra_args["seed"]``). Returns the carried pack at sigmas[-1].
 
-    Errors (:class:`TurboContractError` / ValueError): not an H3 AV latent; a denoise mask; the Turbo
+    Errors (:class:`TurboContractError` / ValueError): not an H3 AV latent; the Turbo
     contract in ``model_options["h3_turbo"]`` violated (steps, grid, CFG, denoiser cache / foreign model
     wrapper, shift patch); with a contract, the network not run exactly once in a step.
+
+    A denoise mask (``extra_args["denoise_mask"]``, a latent ``noise_mask`` on video and/or audio) is handled as core's
+    samplers handle it: core's ``KSamplerX0Inpaint`` puts the kept tokens (mask 0) into the model input at each
+    step and its denoised output holds the latent image there; the velocities are read from that denoised
+    (:func:`velocities_from_denoised`), so kept tokens step towards the latent image and end on it. The model sees
+    the mask as core passes it (newer cores: per-token modulation rows).
 
     Without a contract, CFG > 1 and denoiser caches are allowed: when ``_forward`` did not run exactly once
     in a step, the velocities are read from core's denoised instead (:func:`velocities_from_denoised`,
@@ -409,9 +415,11 @@ def sample_h3_turbo(model, x, sigmas, extra_args=None, callback=None, disable=No
     if shapes is None or len(shapes) != 2:
         raise ValueError(f"{SAMPLER_NAME}: needs an H3 audio+video latent (2 streams), got latent_shapes="
                          f"{shapes}. Use EmptyMiniMaxH3LatentAV / an H3 AV latent.")
-    if extra_args.get("denoise_mask") is not None:
-        raise ValueError(f"{SAMPLER_NAME}: denoise masks (a latent noise_mask, inpainting) are not supported; "
-                         f"remove the mask or use core's samplers.")
+    masked = extra_args.get("denoise_mask") is not None
+    if masked:
+        log_once(("sampler", "denoise-mask"), "%s: a denoise mask (latent noise_mask): core's KSamplerX0Inpaint blends "
+                 "the kept tokens into the model input and its denoised output, and the velocities are read from "
+                 "that denoised, as core's samplers step", SAMPLER_NAME)
     if state_dtype not in STATE_DTYPES:
         raise ValueError(f"{SAMPLER_NAME}: state_dtype must be one of {STATE_DTYPES}, got {state_dtype!r}")
     rule = resolve_update(update, contract)
@@ -478,15 +486,19 @@ def sample_h3_turbo(model, x, sigmas, extra_args=None, callback=None, disable=No
         pack, _ = comfy.utils.pack_latents([xv.to(x.dtype), (xa.to(torch.float32) * c).to(x.dtype)])
         args = dict(extra_args, model_options=mo)
         den = model(pack, sigmas[i] * s_in, **args)
-        if cap.calls >= 1:
+        if cap.calls >= 1 and not masked:   # (with a mask core replaced the kept tokens of the model input)
             a_in = cap.x_in[1].float()
             err = (a_in - xa.float()).norm() / xa.float().norm().clamp(min=1e-12)
             if err > 1e-2:
                 raise RuntimeError(f"{SAMPLER_NAME}: step {i}: the network saw an audio latent {float(err):.3g} "
                                    f"(relative) away from the sampler's state: core's audio carry changed?")
-        if cap.calls == 1:
+        if cap.calls == 1 and not masked:
             v_v = cap.out[0].float().reshape(xv.shape)
             v_a = cap.out[1].float().reshape(xa.shape)
+        elif masked and (cap.calls == 1 or contract is None):
+            # a denoise mask: core's masked denoised (kept tokens = the latent image) is what core's samplers step
+            v_v, v_a = velocities_from_denoised(pack, den, shapes, sv[i], sa[i], k)
+            v_v, v_a = v_v.reshape(xv.shape), v_a.reshape(xa.shape)
         elif contract is None:
             # CFG > 1 (cond + uncond forwards) or a cache that skipped _forward: read the combined
             # velocities from core's packed denoised by inverting core's carried conversion (exact algebra)

@@ -80,3 +80,39 @@ def test_path_reference_is_only_for_path_named_modules():
     assert recipe._path_reference(torch.nn.Linear) is None              # importable by name: pickle's own reference
     assert recipe._path_reference(recipe.dumps) is None
     assert recipe._path_global is not None and recipe.loads(recipe.dumps(recipe._path_global)) is recipe._path_global
+
+
+# ------------------------------------------------------------------------------------------ per-token rows
+def test_shard_cuts_per_token_rows_with_the_rows():
+    from h3_turbo.errors import SequenceParallelError
+    from h3_turbo.parallel.engine import local_segments
+
+    rows = torch.tensor([3, 3, 6, 6, 9, 9, 3], dtype=torch.long)
+    segs = [(0, 5, 1), (5, 12, rows), (12, 13, 2)]
+    got = local_segments(segs, 0, 7)
+    assert got[0] == (0, 5, 1) and got[1][:2] == (5, 7) and got[1][2].tolist() == [3, 3]
+    got = local_segments(segs, 7, 14)
+    assert got[0][:2] == (0, 5) and got[0][2].tolist() == [6, 6, 9, 9, 3] and got[1] == (5, 6, 2)
+    assert local_segments([(0, 4, torch.tensor(5))], 0, 2) == [(0, 2, 5)]           # a 0-d tensor is an index
+    for bad, what in ((torch.zeros(7), r"torch.float32 tensor of shape \(7,\)"),
+                      (torch.zeros(6, dtype=torch.long), r"torch.int64 tensor of shape \(6,\)"), ("x", "a str")):
+        with pytest.raises(SequenceParallelError, match=rf"modulation row is (a )?{what}.*one entry per row of the "
+                                                        r"segment \(7\) \(ComfyUI "):
+            local_segments([(0, 5, 1), (5, 12, bad)], 0, 7)
+
+
+def test_segment_rows_takes_per_token_rows_and_checks_them():
+    from h3_turbo.kernels import fused as fk
+
+    t = torch.tensor([4, 4, 7], dtype=torch.long)
+    rows = fk.segment_rows([(0, 2, 1), (2, 5, t)], 5, "cpu", limit=9)
+    assert rows.dtype == torch.int32 and rows.tolist() == [1, 1, 4, 4, 7]
+    assert fk.segment_rows([(0, 2, 1), (2, 5, t)], 5, "cpu", limit=9) is rows        # cached by the tensor's identity
+    t2 = t.clone()
+    assert fk.segment_rows([(0, 2, 1), (2, 5, t2)], 5, "cpu", limit=9) is not rows
+    t2[0] = 5                                                                          # an in-place change: rebuilt
+    assert fk.segment_rows([(0, 2, 1), (2, 5, t2)], 5, "cpu", limit=9).tolist() == [1, 1, 5, 4, 7]
+    with pytest.raises(ValueError, match=r"per-token rows 4\.\.7\): modulation rows must be in 0\.\.6"):
+        fk.segment_rows([(0, 2, 1), (2, 5, t)], 5, "cpu", limit=7)
+    with pytest.raises(ValueError, match=r"mod_segments\[1\].*float32 tensor"):
+        fk.segment_rows([(0, 2, 1), (2, 5, t.float())], 5, "cpu")

@@ -357,17 +357,22 @@ def _newer_core_fp16_path(monkeypatch):
 
 
 def test_core_hook_points_are_reported(comfy, capsys):
-    """Reads the core in use: which variant of each hook point the pack found (0.33 installed here)."""
+    """Reads the core in use: which variant of each hook point the pack found (printed; the suite also runs on the
+    newer core when one is set up, tests/test_second_core.py)."""
     from h3_turbo.runtime import core_compat
 
     found = core_compat.hook_points()
     with capsys.disabled():
         print(f"\n[core hook points] {found}")
     assert found["linear_input_act fc2 bypass"] in ("int8", "int8+fp16")
-    assert set(found) == {"linear_input_act fc2 bypass", "FinalLayer PDD head banks", "MiniMaxH3FunControlNetApply"}
+    assert set(found) == {"linear_input_act fc2 bypass", "FinalLayer PDD head banks", "MiniMaxH3FunControlNetApply",
+                          "mod_segments modulation rows"}
+    import comfy.ldm.minimax.model as core_h3
     import comfy.ops
 
     assert (found["linear_input_act fc2 bypass"] == "int8+fp16") == hasattr(comfy.ops, "_fp16_linear_wanted")
+    # 0.33: one int per segment; cores with _mod_row (2026-08-22 and newer): also a per-token index tensor
+    assert found["mod_segments modulation rows"] == ("index|per-token" if hasattr(core_h3, "_mod_row") else "index")
 
 
 def test_newer_core_fp16_fc2_path_gets_the_mlp_level_branch(comfy, rel_models, monkeypatch):

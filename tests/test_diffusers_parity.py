@@ -166,3 +166,107 @@ def test_forward_matches_diffusers(comfy, parity, keyframes, record_property):
         err = max(_rel(cv, rv), _rel(ca, ra))
         record_property(f"negative_{name}", err)
         assert err > BROKEN, (name, err)
+
+
+# --------------------------------------------------------------------------------------------- (b) sampling
+
+def _contracts():
+    from h3_turbo.adapters import contracts as C
+
+    by_name = {a.contract.name: a.contract for a in C.KNOWN_ARTIFACTS}
+    return {"4step": by_name[C.ALIASES["4step"]], "8step": by_name[C.ALIASES["8step"]], "dmd": C.TURBOH3_DMD}
+
+
+@pytest.mark.parametrize("name", ["4step", "8step", "dmd"])
+def test_sigma_grids_match_diffusers_scheduler(comfy, name, record_property):
+    """H3 Turbo Sigmas (the video SIGMAS) and H3 Turbo Sampler's audio grid for each contract vs MiniMaxH3Scheduler
+    with N + 1 grid points (diffusers counts grid points, ComfyUI model evaluations); and the forwards' timesteps
+    core computes vs the scheduler's t = 1 - sigma (what a table written by diffusers is keyed by) within the AdaLN
+    lookup tolerance. Negative controls: N grid points (the step-count trap), the other video shift."""
+    from types import SimpleNamespace
+
+    from h3_turbo.adapters import contracts as C
+    from h3_turbo.nodes.sampler import turbo_sigmas
+    from h3_turbo.runtime import adaln as A
+    from h3_turbo.samplers.schedules import shifted_grid
+
+    c = _contracts()[name]
+    holder = SimpleNamespace(model_options={})
+    C.attach(holder, c)
+    ours_v = turbo_sigmas(holder, 0)
+    ours_a = shifted_grid(c.nfe, c.shift_audio)                       # the sampler's audio grid (float64)
+    dv, da = R.schedulers(c.nfe + 1, c.shift_video, c.shift_audio)
+    assert ours_v.dtype == torch.float32 and len(ours_v) == len(dv.sigmas) == c.nfe + 1
+    ev = float((ours_v.double() - dv.sigmas.double()).abs().max())
+    ea = float((ours_a - da.sigmas.double()).abs().max())
+    assert ev <= 1.2e-7 and ea <= 1.2e-7, (ev, ea)                     # <= 2 ulp of fp32 below 1
+    # the forwards' timesteps: core's fp32 closed form (audio from the video sigma) vs diffusers' 1 - sigma
+    groups = A.timestep_groups(A.Schedule(name, c.nfe, c.shift_video, c.shift_audio), conds=(None,))
+    want = [sorted({float(tv), float(ta)}) for tv, ta in zip(dv.timesteps, da.timesteps)]
+    assert [len(g) for g in groups] == [len(w) for w in want]
+    dt = max(abs(a - b) for g, w in zip(groups, want) for a, b in zip(g, w))
+    assert dt <= A.TOLERANCE
+    record_property("sigma_max_abs_diff", max(ev, ea))
+    record_property("timestep_max_abs_diff", dt)
+    # negative controls
+    trap, _ = R.schedulers(c.nfe, c.shift_video, c.shift_audio)
+    assert len(trap.sigmas) == c.nfe != len(ours_v)
+    other, _ = R.schedulers(c.nfe + 1, 18.0 - c.shift_video, c.shift_audio)   # 6 <-> 12
+    assert float((ours_v.double() - other.sigmas.double()).abs().max()) > 1e-2
+
+
+_N = [0]
+
+
+def _sample_prompt(index: str, update: str, seed: int) -> dict:
+    _N[0] += 1
+    m = ["1", 0]
+    return {
+        "1": {"class_type": "H3TurboDMDLoader", "inputs": {"model_name": index, "adaln": "none", "compute": "reference"}},
+        "4": {"class_type": "H3TurboTestConditioning", "inputs": {"model": m, "seed": 0, "tokens": LAT["TEXT"]}},
+        "5": {"class_type": "BasicGuider", "inputs": {"model": m, "conditioning": ["4", 0]}},
+        "6": {"class_type": "H3TurboSigmas", "inputs": {"model": m, "steps": 0}},
+        "7": {"class_type": "H3TurboSampler", "inputs": {"state_dtype": "fp32", "update": update}},
+        "8": {"class_type": "RandomNoise", "inputs": {"noise_seed": seed}},
+        "9": {"class_type": "EmptyMiniMaxH3LatentAV", "inputs": {"width": 64, "height": 64, "length": 5}},
+        "10": {"class_type": "SamplerCustomAdvanced", "inputs": {"noise": ["8", 0], "guider": ["5", 0],
+                                                                 "sampler": ["7", 0], "sigmas": ["6", 0],
+                                                                 "latent_image": ["9", 0]}},
+        "11": {"class_type": "LTXVSeparateAVLatent", "inputs": {"av_latent": ["10", 0]}},
+        "12": {"class_type": "SaveLatent", "inputs": {"samples": ["11", 0], "filename_prefix": f"h3t/par{_N[0]}_v"}},
+        "13": {"class_type": "SaveLatent", "inputs": {"samples": ["11", 1], "filename_prefix": f"h3t/par{_N[0]}_a"}},
+    }
+
+
+def test_four_update_euler_trajectory_matches_diffusers_denoise_loop(comfy, parity, record_property):
+    """SamplerCustomAdvanced + H3 Turbo Sigmas + H3 Turbo Sampler (update=euler) on the DMD model vs diffusers'
+    MiniMaxH3DenoiseStep (its transformer and MiniMaxH3Scheduler x 2) from the same noise and conditioning: the
+    final latents. Negative controls: diffusers run with N grid points (3 updates), with the audio grid on the
+    video shift, and the pack's update=renoise (the DMD contract's default) against diffusers' Euler."""
+    from comfy.sample import prepare_noise
+    from comfy_extras.nodes_minimax_h3 import _empty_av_latent
+
+    index = f"{SUB}/TurboH3-diffusers/transformer/{os.path.basename(parity['index'])}"
+    seed = 42
+    v, a = comfy.run_latents(_sample_prompt(index, "euler", seed), ("12", "13"))
+    # the same noise ComfyUI drew (RandomNoise: one CPU generator, video then audio) and the same conditioning
+    lat, _ = _empty_av_latent(64, 64, 5)
+    nv, na = prepare_noise(lat["samples"], seed).unbind()
+    ctx = torch.randn(1, LAT["TEXT"], parity["cfg"].text_dim, generator=torch.Generator().manual_seed(0))
+    lay = R.layout(LAT["TEXT"], nv.shape[2], nv.shape[3], nv.shape[4], na.shape[-1])
+    vr, ar = R.rows(nv, na)
+
+    def ref(steps=5, shift_a=3.0):
+        return R.denoise(parity["ref32"], lay, vr, ar, ctx, steps, 12.0, shift_a)
+
+    fv, fa = ref()
+    ov, oa = R.rows(v, a)
+    ev, ea = _rel(ov, fv), _rel(oa, fa)
+    record_property("trajectory_rel_l2", max(ev, ea))
+    assert ev < BOUND and ea < BOUND, (ev, ea)
+    for label, (xv, xa) in {"3 updates (grid-point count)": ref(steps=4), "audio on shift 12": ref(shift_a=12.0),
+                            "update=renoise": R.rows(*comfy.run_latents(_sample_prompt(index, "renoise", seed),
+                                                                        ("12", "13")))}.items():
+        err = max(_rel(ov, xv), _rel(oa, xa))
+        record_property(f"negative_{label}", err)
+        assert err > BROKEN, (label, err)

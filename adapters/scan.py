@@ -227,8 +227,11 @@ class TurboScanner:
         self._lister = lister or list_lora_files
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
+        # scans_started / scans_completed count the scans; requested: the count of completed scans after which
+        # the last start() is served (a scan started by it, or the one queued behind a running scan)
         self._status = {"state": "idle", "started_at": None, "listed_at": None, "finished_at": None,
-                        "pending_hashes": 0, "files_seen": 0, "error": None}
+                        "pending_hashes": 0, "files_seen": 0, "error": None, "scans_started": 0,
+                        "scans_completed": 0, "requested": 0}
         self._again = False
         self._items: list[dict] = []
 
@@ -244,11 +247,14 @@ class TurboScanner:
     def start(self) -> bool:
         """Start a scan in a daemon thread unless one runs (then one more is queued). True if started."""
         with self._lock:
+            st = self._status
             if self._thread is not None and self._thread.is_alive():
                 self._again = True
+                st["requested"] = st["scans_started"] + 1
                 return False
             self._thread = threading.Thread(target=self._run, name="h3turbo-lora-scan", daemon=True)
-            self._status.update(state="running", started_at=time.time(), error=None)
+            st.update(state="running", started_at=time.time(), error=None, scans_started=st["scans_started"] + 1)
+            st["requested"] = st["scans_started"]
             self._thread.start()
             return True
 
@@ -276,10 +282,12 @@ class TurboScanner:
                 with self._lock:
                     self._status.update(state="failed", error=f"{type(e).__name__}: {e}", finished_at=time.time())
             with self._lock:
+                self._status["scans_completed"] += 1
                 if not self._again:
                     return
                 self._again = False
-                self._status.update(state="running", started_at=time.time(), error=None)
+                self._status.update(state="running", started_at=time.time(), error=None,
+                                    scans_started=self._status["scans_started"] + 1)
 
     def _scan_once(self) -> None:
         files = self._lister()

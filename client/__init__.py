@@ -2,21 +2,23 @@
 outputs; read ``GET /h3turbo/ready``.
 
 ``python -m h3_turbo.client submit WORKFLOW_API.json --server http://127.0.0.1:8188 [--set NODE.INPUT=VALUE ...]
-[--out DIR]`` and ``python -m h3_turbo.client ready --server URL``. Uses ComfyUI's own HTTP API:
+[--out DIR]`` and ``python -m h3_turbo.client ready --server URL [--rescan]``. Uses ComfyUI's own HTTP API:
 ``POST /prompt`` (with a ``client_id``), the ``/ws?clientId=`` websocket (events ``progress``, ``executing``,
 ``execution_success``, ``execution_error``, ``execution_interrupted``), ``GET /history/{prompt_id}`` and
 ``GET /view``. Needs ``requests`` and ``websocket-client``; no ComfyUI import.
 
 Errors: :class:`PromptRejected` (HTTP 400 from ``/prompt``: ComfyUI's ``error`` and ``node_errors``),
 :class:`ExecutionFailed` (an ``execution_error``/``execution_interrupted`` event or an error status in the
-history), :class:`ClientError` (bad arguments, connection problems, time-outs). ``str()`` of each is a
-readable message; the raw ComfyUI JSON is on ``.payload``.
+history), :class:`ClientError` (bad arguments, connection problems, time-outs; a server that does not answer is
+one line ending "is ComfyUI running at URL?"). ``str()`` of each is a readable message; the raw ComfyUI JSON is
+on ``.payload``.
 """
 from __future__ import annotations
 
 import json
 import math
 import os
+import re
 import time
 import uuid
 from pathlib import Path
@@ -154,24 +156,57 @@ class Client:
         scheme = "wss" if u.scheme == "https" else "ws"
         return f"{scheme}://{u.netloc}{u.path}/ws?clientId={client_id}"
 
+    def _failed(self, what: str, e: Exception) -> ClientError:
+        """ClientError for a request that raised ``e``: one line naming the server when it did not answer."""
+        import requests
+
+        if isinstance(e, (requests.ConnectionError, ConnectionRefusedError)) and \
+                not isinstance(e, requests.exceptions.SSLError):
+            m = re.search(r"\[Errno -?\d+\] ([^'\"\)]+)", str(e))
+            why = m.group(1).strip() if m else type(e).__name__
+            return ClientError(f"{what}: no answer ({why}): is ComfyUI running at {self.server}?")
+        return ClientError(f"{what}: {e}")
+
     def _get(self, path: str, **query):
         import requests
 
         try:
             r = self._http.get(self._url(path, **query), timeout=self.timeout)
         except requests.RequestException as e:
-            raise ClientError(f"GET {self.server}{path}: {e}") from e
+            raise self._failed(f"GET {self.server}{path}", e) from e
         return r
 
-    def ready(self) -> dict:
-        """JSON of ``GET /h3turbo/ready`` (tries ``/api/h3turbo/ready`` too). ClientError if neither answers 200."""
+    def ready(self, rescan: bool = False, wait: float = 60.0) -> dict:
+        """JSON of ``GET /h3turbo/ready`` (tries ``/api/h3turbo/ready`` too). ClientError if neither answers 200.
+        ``rescan``: asks for a re-scan of the loras folders (``?rescan=1``) and polls until that scan has listed
+        and checked the files (``scan.scans_completed >= scan.requested``), at most ``wait`` seconds (then
+        ClientError); a server without those fields (an older pack) is answered after its first reply."""
         last = None
         for path in ("/h3turbo/ready", "/api/h3turbo/ready"):
-            r = self._get(path)
+            r = self._get(path, **({"rescan": 1} if rescan else {}))
             if r.status_code == 200:
-                return r.json()
+                body = r.json()
+                if not rescan:
+                    return body
+                return self._wait_scan(path, body, wait)
             last = f"GET {self.server}{path}: HTTP {r.status_code}: {r.text[:300]}"
         raise ClientError(f"{last} (is the H3 Turbo pack loaded in this ComfyUI?)")
+
+    def _wait_scan(self, path: str, body: dict, wait: float) -> dict:
+        want = (body.get("scan") or {}).get("requested")
+        if want is None:
+            return body
+        t_end = time.monotonic() + wait
+        while (body.get("scan") or {}).get("scans_completed", 0) < want:
+            if time.monotonic() > t_end:
+                raise ClientError(f"GET {self.server}{path}?rescan=1: the re-scan of the loras folders did not "
+                                  f"finish within {wait:g} s (scan: {body.get('scan')})")
+            time.sleep(0.25)
+            r = self._get(path)
+            if r.status_code != 200:
+                raise ClientError(f"GET {self.server}{path}: HTTP {r.status_code}: {r.text[:300]}")
+            body = r.json()
+        return body
 
     def queue(self, prompt: dict, client_id: str) -> str:
         """``POST /prompt``; returns the prompt id. PromptRejected (with ComfyUI's message) on HTTP 400."""
@@ -181,7 +216,7 @@ class Client:
             r = self._http.post(self._url("/prompt"), json={"prompt": prompt, "client_id": client_id},
                                 timeout=self.timeout)
         except requests.RequestException as e:
-            raise ClientError(f"POST {self.server}/prompt: {e}") from e
+            raise self._failed(f"POST {self.server}/prompt", e) from e
         if r.status_code == 400:
             try:
                 body = r.json()
@@ -291,6 +326,8 @@ class Client:
         try:
             ws = websocket.create_connection(self._ws_url(client_id), timeout=self.timeout)
         except (OSError, websocket.WebSocketException) as e:
+            if isinstance(e, ConnectionRefusedError):
+                raise self._failed(f"websocket {self._ws_url(client_id)}", e) from e
             raise ClientError(f"websocket {self._ws_url(client_id)}: {e}") from e
         t0 = time.monotonic()
         try:

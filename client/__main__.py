@@ -41,6 +41,9 @@ def build_parser() -> argparse.ArgumentParser:
     r = sub.add_parser("ready", help="print GET /h3turbo/ready")
     r.add_argument("--server", default=os.environ.get("COMFYUI_SERVER", DEFAULT_SERVER),
                    help=f"ComfyUI's address (default: $COMFYUI_SERVER, else {DEFAULT_SERVER})")
+    r.add_argument("--rescan", action="store_true",
+                   help="re-scan the loras folders first (new or replaced Turbo LoRA files) and wait for the listing")
+    r.add_argument("--wait", type=_positive, default=60.0, help="seconds to wait for the re-scan (> 0)")
     return p
 
 
@@ -49,7 +52,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         c = Client(a.server)
         if a.cmd == "ready":
-            print(json.dumps(c.ready(), indent=2, default=str))
+            print(json.dumps(c.ready(rescan=a.rescan, wait=a.wait), indent=2, default=str))
             return 0
         prompt = apply_sets(load_workflow(a.workflow), a.sets)
         res = c.submit(prompt, out_dir=a.out, timeout=a.timeout, progress=not a.no_progress)

@@ -41,8 +41,10 @@ class Finding:
 
 
 @dataclass(frozen=True)
-class H3Config:
-    """MiniMax H3 sizes read from the shapes (real: hidden 5376, 56 heads x 128, ffn 14336, 50+2 blocks, text 5120)."""
+class H3Sizes:
+    """MiniMax H3 sizes read from a checkpoint's shapes (real: hidden 5376, 56 heads x 128, ffn 14336, 50+2 blocks,
+    text 5120): the one definition the NVFP4 detection (:class:`H3Config`) and the DMD loader
+    (``formats.dmd.DMDConfig``) extend."""
 
     hidden: int
     heads: int
@@ -53,7 +55,6 @@ class H3Config:
     text_dim: int
     latents_dim: int
     audio_latents_dim: int
-    form: str  # "unpruned" (adaln_proj on the time embedder) or "pruned" (adaln_t_table curve form)
 
     @property
     def inner(self) -> int:
@@ -71,6 +72,13 @@ class H3Config:
     def projection_stems(self) -> list[str]:
         """The 4 x (layers + refiner_layers) block projections (208 for the real model)."""
         return [f"{b}.{p}" for b in self.block_prefixes() for p in PROJECTIONS]
+
+
+@dataclass(frozen=True)
+class H3Config(H3Sizes):
+    """:class:`H3Sizes` of a ComfyUI-layout file plus its AdaLN form."""
+
+    form: str  # "unpruned" (adaln_proj on the time embedder) or "pruned" (adaln_t_table curve form)
 
 
 class FindingsMixin:

@@ -29,7 +29,7 @@ import torch
 from ..errors import CheckpointError
 from ..kernels import int8_block as ib
 from . import registry
-from .detect import Finding, FindingsMixin, _looks_like
+from .detect import Finding, FindingsMixin, H3Sizes, _looks_like
 from .safetensors_io import Header, TensorInfo, TensorReader, read_header
 from .schemes.base import HeaderView
 from .schemes.diffusers_map import FP32_CORE, Mapped, family, map_key, rope_inv_freq, swap_halves
@@ -248,27 +248,14 @@ def open_source(path: str) -> Source:
 # --------------------------------------------------------------------------------------------- detection
 
 @dataclass(frozen=True)
-class DMDConfig:
-    """H3 sizes read from the shapes (real model: 5376, 56 x 128, ffn 14336, 50 + 2 blocks, text 5120, ...)."""
+class DMDConfig(H3Sizes):
+    """:class:`~.detect.H3Sizes` read from a DMD file's shapes plus the time-embedder and RoPE sizes."""
 
-    hidden: int
-    heads: int
-    head_dim: int
-    ffn: int
-    layers: int
-    refiner_layers: int
-    text_dim: int
-    latents_dim: int
-    audio_latents_dim: int
     freq_dim: int
     time_hidden: int
     time_dim: int
     rope_freq_dim: int
     rope_theta: float = 10000.0
-
-    @property
-    def inner(self) -> int:
-        return self.heads * self.head_dim
 
 
 #: config.json (Diffusers ``MiniMaxH3Transformer3DModel`` argument names) -> DMDConfig field

@@ -110,16 +110,15 @@ def timestep_groups(sched: Schedule, conds=(None, VISUAL_COND_T), device=None) -
     audio shift, ``samplers/training_euler.py``), for each condition level in ``conds``; distinct, in step order.
     ``device``: where the forwards run (:func:`forward_timesteps`: a CUDA forward's fp32 timesteps can differ from
     the CPU's by an ulp; e.g. the 4step schedule at its steps 2-4)."""
-    from ..samplers.schedules import shifted_grid
-    from ..samplers.training_euler import _audio_shift_for_call
+    from ..samplers.schedules import audio_shift_for_call, shifted_grid
 
     sv = [float(s) for s in shifted_grid(sched.nfe, sched.shift_video, torch.float32).double().tolist()]
     sa = shifted_grid(sched.nfe, sched.shift_audio).tolist()
     out: list[tuple[float, ...]] = []
     for c in conds:
         for i in range(sched.nfe):
-            g = forward_timesteps(sv[i], sched.shift_video, _audio_shift_for_call(sv[i], sa[i], sched.shift_video,
-                                                                                  sched.shift_audio), c, device)
+            g = forward_timesteps(sv[i], sched.shift_video, audio_shift_for_call(sv[i], sa[i], sched.shift_video,
+                                                                                 sched.shift_audio), c, device)
             if g not in out:
                 out.append(g)
     return out

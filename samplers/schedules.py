@@ -41,6 +41,15 @@ def audio_shift_for(sigma_v: float, sigma_a: float, shift_v: float) -> float:
     return sigma_a * (1.0 - b) / (b * (1.0 - sigma_a))
 
 
+def audio_shift_for_call(sigma_v: float, sigma_a: float, shift_v: float, shift_a_default: float) -> float:
+    """The audio shift H3 Turbo Sampler gives core for one forward: :func:`audio_shift_for` of the call's two sigmas,
+    or ``shift_a_default`` at ``sigma_v == sigma_a == 1`` (any shift maps 1 to 1). The one rule that the sampler and
+    the AdaLN table's timestep groups (``runtime/adaln.py``) share."""
+    if sigma_v == 1.0 and sigma_a == 1.0:
+        return float(shift_a_default)
+    return audio_shift_for(sigma_v, sigma_a, shift_v)
+
+
 def audio_grid_from_video(sigmas_v, shift_v: float, shift_a: float) -> list[float]:
     """The audio sigma grid that belongs to a video sigma grid under core's closed form
     (:func:`audio_sigma_from_video`), in float64, with the endpoints pinned exactly: video 1 -> audio 1,

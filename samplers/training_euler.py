@@ -39,7 +39,8 @@ from ..adapters import contracts
 from .. import state
 from ..errors import TurboContractError
 from ..logs import log_once
-from .schedules import audio_grid_from_video, audio_shift_for, shifted_grid
+from .schedules import audio_grid_from_video, shifted_grid
+from .schedules import audio_shift_for_call as _audio_shift_for_call
 
 log = logging.getLogger("h3_turbo")
 
@@ -368,12 +369,6 @@ def velocities_from_denoised(pack: torch.Tensor, denoised: torch.Tensor, shapes,
         return v_v, out_y
     x_a = y * (sigma_a / sigma_v)
     return v_v, (out_y - (1.0 - k) * x_a) / (1.0 + (k - 1.0) * sigma_a)
-
-
-def _audio_shift_for_call(sv: float, sa: float, shift_v: float, shift_a_default: float) -> float:
-    if sv == 1.0 and sa == 1.0:
-        return float(shift_a_default)  # any shift maps 1 -> 1
-    return audio_shift_for(sv, sa, shift_v)
 
 
 @torch.no_grad()

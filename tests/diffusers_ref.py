@@ -47,9 +47,10 @@ def diffusers_config(cfg) -> dict:
                 time_embed_dim=cfg.time_embed_dim, rope_freq_dim=cfg.rope_len)
 
 
-def model_from_core(sd_core: dict[str, torch.Tensor], cfg):
+def model_from_core(sd_core: dict[str, torch.Tensor], cfg, dtype: torch.dtype = torch.bfloat16):
     """diffusers' model holding ``sd_core`` (core names), converted by diffusers' own single-file converter; the
-    stored dtypes are kept (BF16 blocks, the FP32 island of ``_keep_in_fp32_modules``)."""
+    parameters outside ``_keep_in_fp32_modules`` (the FP32 island) in ``dtype`` (BF16 as the release; float32 for
+    weights that are not BF16 values, e.g. dequantized NVFP4)."""
     from diffusers import MiniMaxH3Transformer3DModel
     from diffusers.loaders.single_file_utils import convert_minimax_h3_transformer_checkpoint_to_diffusers
 
@@ -59,7 +60,7 @@ def model_from_core(sd_core: dict[str, torch.Tensor], cfg):
     keep = set(model._keep_in_fp32_modules)
     for name, p in model.named_parameters():          # parameters only: the rope buffer stays fp32, unrounded
         if name.split(".")[0] not in keep:
-            p.data = p.data.to(torch.bfloat16)
+            p.data = p.data.to(dtype)
     model.load_state_dict(sd, strict=True)
     return model.eval()
 

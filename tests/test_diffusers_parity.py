@@ -34,34 +34,49 @@ def _rel(x, y):
     return float((x.double() - y.double()).norm() / y.double().norm())
 
 
+def parity_state_dict(cfg) -> dict:
+    """The tiny fixture's weights (core names, BF16 + the FP32 island) with the blocks' residual branches and
+    modulation x4 (exact in BF16): every block moves the output by O(1), so a wrong convention inside a block shows
+    (with the fixture's unit gains the input's path dominates)."""
+    from h3_turbo.tools.fixtures import make_tiny_h3_state_dict
+
+    return {k: v * 4 if k.endswith(("attn.out_proj.weight", "mlp.fc2.weight", "adaln_proj.linear.weight")) else v
+            for k, v in make_tiny_h3_state_dict(cfg, seed=3).items()}
+
+
+def parity_inputs(cfg) -> dict:
+    g = torch.Generator().manual_seed(11)
+    return {"video": torch.randn(1, cfg.latents_dim, LAT["T"], LAT["H"], LAT["W"], generator=g),
+            "audio": torch.randn(1, cfg.audio_latents_dim, 2, LAT["TA"], generator=g),
+            "context": torch.randn(1, LAT["TEXT"], cfg.text_dim, generator=g),
+            "keyframes": [torch.randn(1, cfg.latents_dim, 1, LAT["H"], LAT["W"], generator=g) for _ in range(2)]}
+
+
+def save_diffusers_shards(ref, tdir: str) -> str:
+    """``ref.save_pretrained`` into ``tdir`` (several shards + index + config.json); returns the index path."""
+    ref.save_pretrained(tdir, max_shard_size="200KB")
+    return os.path.join(tdir, next(f for f in os.listdir(tdir) if f.endswith(".safetensors.index.json")))
+
+
 @pytest.fixture(scope="module")
 def parity(comfy, fixtures_dir):
     from diffusers.utils import logging as dlog
 
-    from h3_turbo.tools.fixtures import _save_aligned, make_tiny_h3_state_dict
+    from h3_turbo.tools.fixtures import _save_aligned
     from h3_turbo.tools.release import tiny_dmd_config
 
     dlog.set_verbosity_error()
     cfg = tiny_dmd_config()
-    # the blocks' residual branches and modulation x4 (exact in BF16): every block moves the output by O(1), so a
-    # wrong convention inside a block shows (with the fixture's unit gains the input's path dominates)
-    sd = {k: v * 4 if k.endswith(("attn.out_proj.weight", "mlp.fc2.weight", "adaln_proj.linear.weight")) else v
-          for k, v in make_tiny_h3_state_dict(cfg, seed=3).items()}
+    sd = parity_state_dict(cfg)
     root = os.path.join(fixtures_dir["root"], "diffusion_models", SUB)
     os.makedirs(root, exist_ok=True)
     _save_aligned(sd, os.path.join(root, "parity_core_bf16.safetensors"), {"h3_turbo_fixture": "diffusers parity"})
     ref = R.model_from_core(sd, cfg)
     tdir = os.path.join(root, "TurboH3-diffusers", "transformer")
-    ref.save_pretrained(tdir, max_shard_size="200KB")
-    index = [f for f in os.listdir(tdir) if f.endswith(".safetensors.index.json")]
-    g = torch.Generator().manual_seed(11)
-    inputs = {"video": torch.randn(1, cfg.latents_dim, LAT["T"], LAT["H"], LAT["W"], generator=g),
-              "audio": torch.randn(1, cfg.audio_latents_dim, 2, LAT["TA"], generator=g),
-              "context": torch.randn(1, LAT["TEXT"], cfg.text_dim, generator=g),
-              "keyframes": [torch.randn(1, cfg.latents_dim, 1, LAT["H"], LAT["W"], generator=g) for _ in range(2)]}
-    return {"cfg": cfg, "sd": sd, "ref": ref, "ref32": R.fp32(ref), "inputs": inputs,
+    index = save_diffusers_shards(ref, tdir)
+    return {"cfg": cfg, "sd": sd, "ref": ref, "ref32": R.fp32(ref), "inputs": parity_inputs(cfg),
             "shards": len([f for f in os.listdir(tdir) if f.endswith(".safetensors")]),
-            "index": os.path.join(tdir, index[0]), "core": f"{SUB}/parity_core_bf16.safetensors"}
+            "index": index, "core": f"{SUB}/parity_core_bf16.safetensors"}
 
 
 def _core_model(parity, which: str):
@@ -83,14 +98,14 @@ def _payload(parity, keyframes: bool) -> dict:
             "cond_video_latents": list(z), "seed": 5}
 
 
-def core_forward(mp, parity, sigma_v: float, keyframes: bool):
-    """Core's H3 forward as its sampler calls it (timestep = fp32 sigma * 1000, shifts 12/3) -> data-ward
-    velocities (core returns noise - x0)."""
+def core_forward(mp, parity, sigma_v: float, keyframes: bool, dtype=torch.float32):
+    """Core's H3 forward as its sampler calls it (timestep = fp32 sigma * 1000, shifts 12/3; core computes in the
+    context's dtype) -> data-ward velocities (core returns noise - x0)."""
     i = parity["inputs"]
     dm = mp.model.diffusion_model
     to = {"minimax_h3_sigma_shift_video": 12.0, "minimax_h3_sigma_shift_audio": 3.0}
     with torch.no_grad():
-        v, a = dm([i["video"], i["audio"]], torch.tensor([sigma_v], dtype=torch.float32) * 1000, i["context"],
+        v, a = dm([i["video"], i["audio"]], torch.tensor([sigma_v], dtype=torch.float32) * 1000, i["context"].to(dtype),
                   transformer_options=to, minimax_payload=_payload(parity, keyframes))
     return -v.float(), -a.float()
 
@@ -270,3 +285,27 @@ def test_four_update_euler_trajectory_matches_diffusers_denoise_loop(comfy, pari
         err = max(_rel(ov, xv), _rel(oa, xa))
         record_property(f"negative_{label}", err)
         assert err > BROKEN, (label, err)
+
+
+# --------------------------------------------------------------------------------------------- (c) NVFP4 exact
+
+def test_nvfp4_exact_path_interpreted(record_property):
+    """tests/test_diffusers_parity_interp.py in a fresh process with TRITON_INTERPRET=1 (the interpreter must be
+    set before triton is first imported): the exact path's Triton kernel in the DMD model's forward vs diffusers on
+    comfy-kitchen's dequantization of the same NVFP4 weights."""
+    import re
+    import subprocess
+    import sys
+
+    pytest.importorskip("triton")
+    env = dict(os.environ, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="")
+    here = os.path.dirname(os.path.abspath(__file__))
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-s", "-p", "no:cacheprovider",
+                           os.path.join(here, "test_diffusers_parity_interp.py")],
+                          env=env, capture_output=True, text=True, timeout=600)
+    tail = proc.stdout[-6000:] + proc.stderr[-2000:]
+    assert proc.returncode == 0 and re.search(r"\b1 passed", proc.stdout), tail
+    m = re.search(r"NVFP4-EXACT forward rel L2 (\S+) \(vs BF16 weights (\S+)\)", proc.stdout)
+    assert m, tail
+    record_property("nvfp4_exact_forward_rel_l2", float(m.group(1)))
+    record_property("negative_unquantized_weights", float(m.group(2)))

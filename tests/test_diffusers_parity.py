@@ -309,3 +309,67 @@ def test_nvfp4_exact_path_interpreted(record_property):
     assert m, tail
     record_property("nvfp4_exact_forward_rel_l2", float(m.group(1)))
     record_property("negative_unquantized_weights", float(m.group(2)))
+
+
+# --------------------------------------------------------------------------------------------- (d) Turbo LoRA
+
+def _merged_reference(parity, lora_sd: dict, scale_extra: float = 1.0):
+    """diffusers' reference with a Comfy-layout LoRA converted by diffusers' own MiniMax-H3 LoRA converter
+    (``_convert_non_diffusers_minimax_h3_lora_to_diffusers``: split q/k/v, fc1 halves swapped, alpha folded) and
+    merged into the fp32 weights, W + B @ A in float64. (diffusers applies LoRAs through PEFT, not a dependency of
+    this pack: the branch is compared with the merged weights.)"""
+    from diffusers.loaders.lora_conversion_utils import _convert_non_diffusers_minimax_h3_lora_to_diffusers
+
+    conv = _convert_non_diffusers_minimax_h3_lora_to_diffusers({k: v.clone() for k, v in lora_sd.items()})
+    model = R.fp32(parity["ref"])
+    n = 0
+    for k, a in conv.items():
+        if not k.endswith(".lora_A.weight"):
+            continue
+        mod = model.get_submodule(k[len("transformer."):-len(".lora_A.weight")])
+        b = conv[k.replace(".lora_A.", ".lora_B.")]
+        mod.weight.data = (mod.weight.double() + scale_extra * (b.double() @ a.double())).float()
+        n += 1
+    return model, n
+
+
+def test_turbo_lora_branch_matches_diffusers_merged_lora(comfy, parity, fixtures_dir, record_property):
+    """UNETLoader (core file) + H3 Turbo LoRA (the unmerged runtime branch) + H3 Turbo Sigmas + H3 Turbo Sampler
+    (euler, the 4step contract, 6/3) vs diffusers' denoise loop on the LoRA-merged weights, from the same noise.
+    Negative controls: the base model (no LoRA), the LoRA's alpha/rank not applied."""
+    from comfy.sample import prepare_noise
+    from comfy_extras.nodes_minimax_h3 import _empty_av_latent
+    from safetensors.torch import save_file
+
+    from h3_turbo.tools.fixtures import make_turbo_lora
+
+    cfg = parity["cfg"]
+    lora, meta = make_turbo_lora(parity["sd"], cfg, alpha_over_rank=0.5, seed=7, nfe=4, shifts=(6.0, 3.0), b_std=0.3)
+    name = "h3t_parity_lora.safetensors"
+    os.makedirs(os.path.join(fixtures_dir["root"], "loras"), exist_ok=True)
+    save_file(lora, os.path.join(fixtures_dir["root"], "loras", name), metadata=meta)
+    p = _sample_prompt("", "euler", 42)
+    p["1"] = {"class_type": "UNETLoader", "inputs": {"unet_name": parity["core"], "weight_dtype": "default"}}
+    p["2"] = {"class_type": "H3TurboLoRA", "inputs": {"model": ["1", 0], "turbo": name, "strength": 1.0,
+                                                      "variant": "4step"}}
+    for nid in ("4", "5", "6"):
+        p[nid]["inputs"]["model"] = ["2", 0]
+    v, a = comfy.run_latents(p, ("12", "13"))
+    lat, _ = _empty_av_latent(64, 64, 5)
+    nv, na = prepare_noise(lat["samples"], 42).unbind()
+    ctx = torch.randn(1, LAT["TEXT"], cfg.text_dim, generator=torch.Generator().manual_seed(0))
+    lay = R.layout(LAT["TEXT"], nv.shape[2], nv.shape[3], nv.shape[4], na.shape[-1])
+    vr, ar = R.rows(nv, na)
+    ov, oa = R.rows(v, a)
+    merged, n = _merged_reference(parity, lora)
+    assert n == 6 * (cfg.num_layers + cfg.refiner_layers)           # to_q, to_k, to_v, to_out, fc1, fc2 per block
+    fv, fa = R.denoise(merged, lay, vr, ar, ctx, 5, 6.0, 3.0)
+    err = max(_rel(ov, fv), _rel(oa, fa))
+    record_property("lora_trajectory_rel_l2", err)
+    assert err < BOUND, err
+    for label, model in {"no LoRA": parity["ref32"], "alpha/rank not applied": _merged_reference(parity, lora, 2.0)[0]
+                         }.items():
+        xv, xa = R.denoise(model, lay, vr, ar, ctx, 5, 6.0, 3.0)
+        e = max(_rel(ov, xv), _rel(oa, xa))
+        record_property(f"negative_{label}", e)
+        assert e > BROKEN, (label, e)

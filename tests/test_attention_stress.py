@@ -273,6 +273,63 @@ def test_interp_int8_override_guard_runs_a_failing_layer_exact(caplog):
     assert any("layer call 1 fails" in r.getMessage() for r in caplog.records)
 
 
+@pytest.fixture
+def comfy_modules():
+    """ComfyUI's modules importable (first on sys.path, ``--cpu``) without booting it or building the fixture models:
+    the fused block test needs only core's DiTBlock."""
+    from h3_turbo import harness
+
+    harness.comfyui_first_on_path(harness.find_comfyui())
+    from comfy.cli_args import args
+
+    args.cpu = True
+    return True
+
+
+@interp
+@pytest.mark.comfyui
+def test_interp_fused_route_guard_reruns_a_failing_block_exact(comfy_modules):
+    """The fused block's int8_sage route with the override's guard: a passing block keeps the route (checked once, as
+    ("block", 0)); a block that fails (a guard that cannot pass: the control) is rerun without the route and its
+    attention runs exact (the override's guard sees the block index): the same bits as the block with the exact
+    override."""
+    import importlib.util
+
+    from h3_turbo.kernels.attention import exact, int8_sage
+    from h3_turbo.runtime import fused_block as fb
+
+    spec = importlib.util.spec_from_file_location("_p38_fused_interp",
+                                                  os.path.join(os.path.dirname(__file__), "test_fused_interp.py"))
+    fi = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(fi)
+    blk, args = fi._sage_block(comfy_modules)
+    cfg = int8_sage._kernels()._cfg({"BLOCK_M": 64, "BLOCK_N": 64})
+
+    def run(ov):
+        for name in ("attn.qkv_proj", "attn.out_proj", "mlp.fc1", "mlp.fc2"):
+            m = blk.get_submodule(name)
+            m._h3_path, m._h3_cache = "fp8", None
+        patch = fb.FusedBlockPatch(blk, 0, ops=fi._CpuTritonOps(), devices=("cpu",))
+        a = dict(args, img=args["img"].clone(), transformer_options={"optimized_attention_override": ov,
+                                                                     "sigmas": torch.tensor([1.0])})
+        with torch.no_grad():
+            return patch(a, {"original_block": None})["img"], patch
+
+    def int8(guard):
+        return int8_sage.Int8SageAttention(fallback=exact.cpu_exact(), devices=("cpu",), config=cfg, guard=guard)
+
+    ok = int8(G.LayerGuard("t", rows=32))                      # the real bounds: this block passes
+    out_ok, p_ok = run(ok)
+    assert p_ok.routes.get("sage") == 1 and ok.calls == 1 and list(ok.guard.verdicts) == \
+        [(("block", 0), ("cpu", torch.bfloat16, 2, 64, 256, 256))] and not ok.guard.exact
+    bad = int8(G.LayerGuard("t", rows=32, cos_min=2.0))        # cannot pass
+    ref, _ = run(exact.cpu_exact())
+    out_bad, p_bad = run(bad)
+    assert "sage" not in p_bad.routes and bad.calls == 0 and set(bad.guard.exact) == {("block", 0)}
+    assert torch.equal(out_bad, ref) and bad.guard.checks == 1
+    assert 0 < float((out_ok.double() - ref.double()).norm() / ref.double().norm()) < 0.05
+
+
 # ------------------------------------------------------------------ runner
 
 @pytest.mark.skipif(INTERP, reason="already interpreted")
@@ -285,4 +342,4 @@ def test_interpreted_in_subprocess():
     tail = proc.stdout[-6000:] + proc.stderr[-2000:]
     assert proc.returncode == 0, tail
     m = re.search(r"(\d+) passed", proc.stdout)
-    assert m and int(m.group(1)) == 10, tail
+    assert m and int(m.group(1)) == 11, tail

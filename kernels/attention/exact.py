@@ -202,10 +202,18 @@ class ExactAttention:
     def __init__(self, chooser: BackendChooser | None = None, candidates: Sequence[str] | None = None,
                  devices: Sequence[str] = DEVICES):
         self.chooser = chooser if chooser is not None else _default_chooser()
-        self.candidates = tuple(candidates) if candidates is not None else default_candidates()
+        self._candidates = tuple(candidates) if candidates is not None else None
         self.devices = tuple(devices)
         self.calls = 0
         self.delegated = 0
+
+    @property
+    def candidates(self) -> tuple[str, ...]:
+        """The candidates measured per shape (:func:`default_candidates` resolved on the first call that takes the
+        SDPA path, so a process that never does, e.g. on the CPU, neither imports nor logs FA3)."""
+        if self._candidates is None:
+            self._candidates = default_candidates()
+        return self._candidates
 
     def _delegate(self, reason: str, func, args, kwargs):
         log_once(("attention", NAME, reason), "H3 Turbo attention 'exact': %s -> core's attention path (%s)",

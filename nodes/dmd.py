@@ -105,11 +105,15 @@ class H3TurboDMDLoader(io.ComfyNode):
             category=CATEGORY,
             description="Loads TurboH3-FL2VA-I2VA (a four-update DMD H3): the BF16 Diffusers shards "
                         "(transformer/*.safetensors.index.json), the W8A8 export (w8a8/model_w8a8.safetensors) or the "
-                        "release folder. Files are validated first. adaln: auto = the release's adaln/ table (needed by "
-                        "W8A8), none = compute from the BF16 weights, or a table from models/h3turbo_adaln. compute: "
+                        "release folder. Files are validated first. adaln: auto = the adaln/ table of the release the model "
+                        "lies in (needed by W8A8), none = compute from the BF16 weights, or a table from models/h3turbo_adaln. compute: "
                         "int8 = W8A8 int8 GEMM (BF16 weights are quantized on load), reference = BF16 / dequantized "
                         "W8A8, exact / fp8 / blackwell_fp4 = the BF16 weights' block projections quantized to NVFP4 on load (11 GB "
-                        "instead of 40) and run by the NVFP4 loader's kernels (fp8: the fastest on Hopper/Ada). Sample with H3 Turbo Sigmas + H3 Turbo Sampler (the DMD contract is attached).",
+                        "instead of 40) and run by the NVFP4 loader's kernels (fp8: the fastest on Hopper/Ada). Sample "
+                        "with H3 Turbo Sigmas + H3 Turbo Sampler (the DMD contract is attached: 4 updates, shifts 12/3). "
+                        "The DMD update rule is not public: the sampler's update=auto re-noises (as TurboDiffusion's "
+                        "public few-step samplers do); update=euler is the rule of diffusers' MiniMaxH3Scheduler and "
+                        "LightX2V and reproduces diffusers' sampling (docs/turboh3.md).",
             inputs=[
                 io.Combo.Input("model_name", options=list(model_options())),
                 io.Combo.Input("adaln", options=adaln_options(), default=ADALN_AUTO, optional=True,

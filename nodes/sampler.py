@@ -121,8 +121,10 @@ class H3TurboSampler(io.ComfyNode):
                                tooltip="dtype of the video/audio states between steps (fp32 = LightX2V)."),
                 io.Combo.Input("update", options=list(training_euler.UPDATES), default="auto", optional=True,
                                tooltip="auto: the Turbo contract's rule (renoise for the TurboH3 DMD model, inferred "
-                                       "from TurboDiffusion's public samplers; euler otherwise). renoise: x0, then "
-                                       "fresh seeded noise at the next sigma. euler: deterministic training-Euler."),
+                                       "from TurboDiffusion's public samplers, which re-noise; euler otherwise). renoise: "
+                                       "x0, then fresh seeded noise at the next sigma. euler: deterministic training-Euler, "
+                                       "the rule of diffusers' MiniMaxH3Scheduler and LightX2V; it reproduces diffusers' "
+                                       "sampling (docs/parity.md)."),
             ],
             outputs=[io.Sampler.Output()],
         )

@@ -7,7 +7,8 @@ it (a changed convention moves the result by orders of magnitude), so a test tha
 (b) the sigma grids of the 4step / 8step / DMD contracts vs ``MiniMaxH3Scheduler``, and the 4-update sampling
     (H3 Turbo Sigmas + H3 Turbo Sampler, ``update=euler``) vs diffusers' own denoise loop;
 (c) the NVFP4 ``exact`` path (Triton interpreter) vs diffusers on the dequantized weights;
-(d) the Turbo LoRA branch vs diffusers' PEFT LoRA on the same adapter.
+(d) the Turbo LoRA runtime branch vs diffusers on the weights merged with diffusers' own MiniMax-H3 LoRA converter
+    (diffusers applies LoRAs through PEFT, which is not a dependency of this pack).
 """
 from __future__ import annotations
 

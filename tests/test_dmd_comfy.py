@@ -347,7 +347,41 @@ def test_release_rows_layout_loads_and_samples(comfy, release, release_rows, mon
     ref = _sample(comfy, _dmd(INDEX, "none"), "euler")
     for loader in (_dmd(ROWS, "auto", "reference"), _dmd(INDEX, f"{ROWS}adaln/")):
         got = _sample(comfy, loader, "euler")
-        assert not _eq(got[0], ref[0]) and _rel(got[0], ref[0]) < 0.02 and _rel(got[1], ref[1]) < 0.02
+        # BF16 rows (measured 1.1e-3 / 0.8e-3 relative to the weight-driven fp32 AdaLN): BF16 rounding of the rows
+        assert not _eq(got[0], ref[0]) and _rel(got[0], ref[0]) < 5e-3 and _rel(got[1], ref[1]) < 5e-3
     w8 = _sample(comfy, _dmd(f"{ROWS}w8a8/model_w8a8.safetensors", "auto", "int8"), "renoise")
     ref8 = _sample(comfy, _dmd(INDEX, "none"), "renoise")
-    assert _rel(w8[0], ref8[0]) < 0.03 and _rel(w8[1], ref8[1]) < 0.03
+    assert _rel(w8[0], ref8[0]) < 0.01 and _rel(w8[1], ref8[1]) < 0.01          # measured 1.4e-3 / 1.5e-3
+
+
+def test_release_with_lightx2v_table_keyed_by_one_minus_sigma_samples(comfy, release, release_rows):
+    """The issue's case: a release folder whose adaln/ is LightX2V's adaln_cache layout keyed by fp32(1 - sigma)
+    (the same rows as the inferred-layout fixture). Core's audio timestep at the DMD schedule's step 1 (16 ulp away)
+    used to be refused at the first audio step; now it finds its key, and the W8A8 file inside the release samples
+    exactly as the inferred-layout release does (the same rows)."""
+    import json
+    import shutil
+
+    from h3_turbo.runtime import adaln as A
+
+    rows = A.read_table(os.path.join(release_rows, "adaln"))
+    root = os.path.join(os.path.dirname(release_rows), "TurboH3-lx")
+    shutil.copytree(os.path.join(release_rows, "w8a8"), os.path.join(root, "w8a8"))
+    d = os.path.join(root, "adaln")
+    os.makedirs(d)
+    H, entries, sd = rows.hidden, [], {}
+    for k, (g, s) in enumerate(zip(rows.groups, rows.starts)):
+        name = f"conditioned_step_{k:03d}"
+        entries.append({"name": name, "timestep_bits": list(g)})
+        for i, b in enumerate(rows.blocks):
+            sd[f"block_{i:03d}.{name}"] = b[s:s + len(g)].reshape(len(g) * 3, 6 * H).contiguous()
+        sd[f"norm_out.{name}"] = rows.final[s:s + len(g)].contiguous()
+    from safetensors.torch import save_file
+
+    save_file(sd, os.path.join(d, "adaln_cache.safetensors"))
+    with open(os.path.join(d, "manifest.json"), "w") as f:
+        json.dump({"format_version": 2, "infer_steps": 4, "num_layers": len(rows.blocks), "hidden_size": H,
+                   "entries": entries}, f)
+    lx = _sample(comfy, _dmd(f"{SUB}/TurboH3-lx/w8a8/model_w8a8.safetensors", "auto", "int8"), "euler")
+    ref = _sample(comfy, _dmd(f"{ROWS}w8a8/model_w8a8.safetensors", "auto", "int8"), "euler")
+    assert _eq(lx[0], ref[0]) and _eq(lx[1], ref[1])

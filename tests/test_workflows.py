@@ -240,8 +240,15 @@ def test_spec_matches_live_definition(comfy, node_type):
     cls = nodes.NODE_CLASS_MAPPINGS.get(node_type)
     if cls is None:
         pytest.fail(f"core node {node_type} is missing from this ComfyUI")
-    ins, outs = W.spec_from_node_info(_node_info(cls))
-    assert (ins, outs) == tuple(W.SPECS[node_type][:2])
+    info = _node_info(cls)
+    ins, outs = W.spec_from_node_info(info)
+    if (ins, outs) == tuple(W.SPECS[node_type][:2]):
+        return
+    # a newer core's definition: only the changes the files survive (added optional widgets with their defaults, a
+    # combo made a dynamic combo holding the files' value), named; anything else fails naming the input
+    drift = W.core_drift(node_type, info)
+    assert drift
+    print(f"\n[core drift] {node_type}: " + "; ".join(drift))
 
 
 FILE_INPUTS = {"unet_name", "clip_name", "vae_name", "image", "turbo"}
@@ -268,3 +275,51 @@ def test_api_workflow_passes_comfy_validation(comfy, name):
     assert not bad, (err, node_errors)
     if name == "h3turbo_tiny_demo":
         assert ok, (err, node_errors)
+
+
+def _info_from_spec(node_type, change=None):
+    """A GET /object_info entry for a core node of the files, built from its CORE_SPECS entry (``change(defs)``
+    edits the required/optional input definitions)."""
+    ins, outs, _ = W.CORE_SPECS[node_type]
+    defs = {"required": {}, "optional": {}}
+    for name, t, kind in ins:
+        sec = "optional" if kind.rstrip("+ctrlupload").endswith("?") else "required"
+        defs[sec][name] = [t if t != "COMBO" else ["auto", "mp4"], {}]
+    if change:
+        change(defs)
+    return {"input": defs, "input_order": {k: list(v) for k, v in defs.items()},
+            "output": [t for _, t in outs], "output_name": [n for n, _ in outs]}
+
+
+def test_core_drift_tolerates_only_what_the_files_survive():
+    """tools/workflows.core_drift: a newer core's SaveVideo (format a dynamic combo holding 'auto', codec optional)
+    is named, not refused; a removed input, a required addition, or a dynamic combo without the files' value is a
+    ValueError naming it (negative controls)."""
+    assert W.core_drift("SaveVideo", _info_from_spec("SaveVideo")) == []
+
+    def newer(d):
+        d["required"]["format"] = ["COMFY_DYNAMICCOMBO_V3", {"options": [
+            {"key": "auto", "inputs": {"required": {"codec": ["COMFY_DYNAMICCOMBO_V3", {"options": [
+                {"key": "auto", "inputs": {}}]}]}}}, {"key": "webm", "inputs": {}}]}]
+        d["optional"]["codec"] = d["required"].pop("codec")
+    drift = W.core_drift("SaveVideo", _info_from_spec("SaveVideo", newer))
+    assert drift == ["format: COMBO -> dynamic combo with options ['auto', 'webm']", "codec: widget -> widget?"]
+    assert W.live_defaults(_info_from_spec("SaveVideo", newer))["format.codec"] == "auto"
+
+    def added(d):
+        d["optional"]["quality"] = ["INT", {"default": 7}]
+    assert W.core_drift("SaveVideo", _info_from_spec("SaveVideo", added)) == ["quality: added (INT, default 7)"]
+
+    def required(d):
+        d["required"]["quality"] = ["INT", {"default": 7}]
+
+    def removed(d):
+        d["required"].pop("filename_prefix")
+
+    def no_auto(d):
+        newer(d)
+        d["required"]["format"][1]["options"].pop(0)
+    for change, match in ((required, "adds the required input 'quality'"), (removed, "inputs .* are"),
+                          (no_auto, r"offers \['webm'\].*the files use \['auto'\]")):
+        with pytest.raises(ValueError, match=match):
+            W.core_drift("SaveVideo", _info_from_spec("SaveVideo", change))

@@ -178,6 +178,79 @@ def spec_from_node_info(info: dict) -> tuple[list[tuple[str, str, str]], list[tu
     return ins, [(str(n), str(t)) for n, t in outs]
 
 
+def live_defaults(info: dict) -> dict[str, object]:
+    """{widget name: default} of one ``GET /object_info`` entry, as the frontend names its widgets: a dynamic combo's
+    inputs under its default option (the first) as ``"<combo>.<input>"``, recursively. Widgets without a default
+    (e.g. file combos) map to their first option, or None."""
+    out: dict[str, object] = {}
+
+    def walk(defs: dict, order: dict | None, prefix: str) -> None:
+        for section in ("required", "optional"):
+            d = defs.get(section) or {}
+            for name in (order or {}).get(section, list(d)):
+                spec = d[name]
+                t = spec[0]
+                opts = spec[1] if len(spec) > 1 and isinstance(spec[1], dict) else {}
+                key = prefix + name
+                if t == "COMFY_DYNAMICCOMBO_V3":
+                    options = opts.get("options") or []
+                    first = options[0] if options else {}
+                    out[key] = opts.get("default", first.get("key"))
+                    chosen = next((o for o in options if o.get("key") == out[key]), first)
+                    walk(chosen.get("inputs") or {}, None, key + ".")
+                elif isinstance(t, (list, tuple)):
+                    out[key] = opts.get("default", t[0] if t else None)
+                elif t in WIDGET_TYPES:
+                    out[key] = opts.get("default", (opts.get("options") or [None])[0])
+
+    walk(info.get("input") or {}, info.get("input_order"), "")
+    return out
+
+
+def core_drift(node_type: str, info: dict) -> list[str]:
+    """How a core node's live definition (``GET /object_info`` entry) differs from its :data:`CORE_SPECS` entry, in
+    the ways a newer core may change it without breaking the files: an input added as an optional widget (the
+    frontend fills its default), a widget made optional, a combo made a dynamic combo whose options hold the
+    files' value. Returns one line per difference (empty: none); any other difference (an input removed, renamed,
+    reordered, a link's type changed, an output changed) is a ValueError naming it."""
+    want_ins, want_outs, _ = CORE_SPECS[node_type]
+    ins, outs = spec_from_node_info(info)
+    if outs != want_outs:
+        raise ValueError(f"{node_type}: outputs {outs} != {want_outs}")
+    live = {n: (t, k) for n, t, k in ins}
+    notes = []
+    order = [n for n, _, _ in ins if n in {w[0] for w in want_ins}]
+    if order != [w[0] for w in want_ins]:
+        raise ValueError(f"{node_type}: inputs {[w[0] for w in want_ins]} are {order} in this core")
+    for name, t, kind in want_ins:
+        lt, lk = live[name]
+        if (lt, lk) == (t, kind):
+            continue
+        if kind.startswith("link") or lk.startswith("link"):
+            raise ValueError(f"{node_type}: input {name!r} is {lt} {lk} in this core, the files have {t} {kind}")
+        if lt != t:
+            if not (t == "COMBO" and lt == "COMFY_DYNAMICCOMBO_V3"):
+                raise ValueError(f"{node_type}: widget {name!r} is {lt} in this core, the files have {t}")
+            defs = {**(info["input"].get("required") or {}), **(info["input"].get("optional") or {})}
+            keys = [o.get("key") for o in defs[name][1].get("options", [])]
+            used = {n.inputs[name] for wf in workflows() for n in wf.nodes if n.type == node_type and name in n.inputs}
+            if not used <= set(keys):
+                raise ValueError(f"{node_type}: widget {name!r} offers {keys} in this core, the files use "
+                                 f"{sorted(used - set(keys))}")
+            notes.append(f"{name}: COMBO -> dynamic combo with options {keys}")
+        if lk != kind:
+            if lk.rstrip("?") != kind.rstrip("?"):
+                raise ValueError(f"{node_type}: widget {name!r} is {lk} in this core, the files have {kind}")
+            notes.append(f"{name}: {kind} -> {lk}")
+    defaults = live_defaults(info)
+    for name, t, kind in ins:
+        if name not in {w[0] for w in want_ins}:
+            if not kind.endswith("?") or not kind.startswith("widget"):
+                raise ValueError(f"{node_type}: this core adds the required input {name!r} ({t} {kind})")
+            notes.append(f"{name}: added ({t}, default {defaults.get(name)!r})")
+    return notes
+
+
 # ---------------------------------------------------------------------------------------------- graph
 @dataclass
 class Node:

@@ -235,23 +235,14 @@ _N = [0]
 
 
 def _sample_prompt(index: str, update: str, seed: int) -> dict:
+    from corpus import turbo_av_prompt  # tests/ is on sys.path
+
     _N[0] += 1
-    m = ["1", 0]
-    return {
-        "1": {"class_type": "H3TurboDMDLoader", "inputs": {"model_name": index, "adaln": "none", "compute": "reference"}},
-        "4": {"class_type": "H3TurboTestConditioning", "inputs": {"model": m, "seed": 0, "tokens": LAT["TEXT"]}},
-        "5": {"class_type": "BasicGuider", "inputs": {"model": m, "conditioning": ["4", 0]}},
-        "6": {"class_type": "H3TurboSigmas", "inputs": {"model": m, "steps": 0}},
-        "7": {"class_type": "H3TurboSampler", "inputs": {"state_dtype": "fp32", "update": update}},
-        "8": {"class_type": "RandomNoise", "inputs": {"noise_seed": seed}},
-        "9": {"class_type": "EmptyMiniMaxH3LatentAV", "inputs": {"width": 64, "height": 64, "length": 5}},
-        "10": {"class_type": "SamplerCustomAdvanced", "inputs": {"noise": ["8", 0], "guider": ["5", 0],
-                                                                 "sampler": ["7", 0], "sigmas": ["6", 0],
-                                                                 "latent_image": ["9", 0]}},
-        "11": {"class_type": "LTXVSeparateAVLatent", "inputs": {"av_latent": ["10", 0]}},
-        "12": {"class_type": "SaveLatent", "inputs": {"samples": ["11", 0], "filename_prefix": f"h3t/par{_N[0]}_v"}},
-        "13": {"class_type": "SaveLatent", "inputs": {"samples": ["11", 1], "filename_prefix": f"h3t/par{_N[0]}_a"}},
-    }
+    p = {"1": {"class_type": "H3TurboDMDLoader", "inputs": {"model_name": index, "adaln": "none",
+                                                            "compute": "reference"}}}
+    p.update(turbo_av_prompt(["1", 0], update=update, seed=seed, tokens=LAT["TEXT"],
+                             prefixes=(f"h3t/par{_N[0]}_v", f"h3t/par{_N[0]}_a")))
+    return p
 
 
 def test_four_update_euler_trajectory_matches_diffusers_denoise_loop(comfy, parity, record_property):

@@ -18,7 +18,7 @@ import torch
 
 from h3_turbo.adapters import contracts
 
-from corpus import PatchTable, model_node  # noqa: E402  (tests/ is on sys.path)
+from corpus import PatchTable, model_node, turbo_av_prompt  # noqa: E402  (tests/ is on sys.path)
 
 pytestmark = pytest.mark.comfyui
 
@@ -70,20 +70,7 @@ def _prompt(loader: dict, update: str, seed: int = 42, core: bool = False, table
     if table:
         p["3"] = {"class_type": "H3TurboTestPatchTable", "inputs": {"model": m, "table": table}}
         m = ["3", 0]
-    p.update({
-        "4": {"class_type": "H3TurboTestConditioning", "inputs": {"model": m, "seed": 0, "tokens": 8}},
-        "5": {"class_type": "BasicGuider", "inputs": {"model": m, "conditioning": ["4", 0]}},
-        "6": {"class_type": "H3TurboSigmas", "inputs": {"model": m, "steps": 0}},
-        "7": {"class_type": "H3TurboSampler", "inputs": {"state_dtype": "fp32", "update": update}},
-        "8": {"class_type": "RandomNoise", "inputs": {"noise_seed": seed}},
-        "9": {"class_type": "EmptyMiniMaxH3LatentAV", "inputs": {"width": 64, "height": 64, "length": 5}},
-        "10": {"class_type": "SamplerCustomAdvanced", "inputs": {"noise": ["8", 0], "guider": ["5", 0],
-                                                                 "sampler": ["7", 0], "sigmas": ["6", 0],
-                                                                 "latent_image": ["9", 0]}},
-        "11": {"class_type": "LTXVSeparateAVLatent", "inputs": {"av_latent": ["10", 0]}},
-        "12": {"class_type": "SaveLatent", "inputs": {"samples": ["11", 0], "filename_prefix": f"h3t/dmd{_N[0]}_v"}},
-        "13": {"class_type": "SaveLatent", "inputs": {"samples": ["11", 1], "filename_prefix": f"h3t/dmd{_N[0]}_a"}},
-    })
+    p.update(turbo_av_prompt(m, update=update, seed=seed, prefixes=(f"h3t/dmd{_N[0]}_v", f"h3t/dmd{_N[0]}_a")))
     return p
 
 

@@ -542,3 +542,26 @@ def _patch_table(m, table):
 
 PatchTable = model_node(_patch_table, "Test-only ComfyUI node: put a fixed AdaLN table on a clone of an H3 MODEL "
                         "(``runtime/adaln.py`` ``patch``).", {"table": ("STRING", {"default": ""})}, "PatchTable")
+
+
+def turbo_av_prompt(model: list, *, update: str = "auto", seed: int = 42, tokens: int = 8, size=(64, 64, 5),
+                    prefixes=("h3t/x_v", "h3t/x_a")) -> dict:
+    """API prompt nodes "4".."13" of the Turbo graph on ``model`` (a link such as ``["1", 0]``):
+    H3TurboTestConditioning (seed 0, ``tokens``), BasicGuider, H3TurboSigmas (steps 0: the contract's),
+    H3TurboSampler (fp32 states, ``update``), RandomNoise ``seed``, EmptyMiniMaxH3LatentAV (``size``) ->
+    SamplerCustomAdvanced -> LTXVSeparateAVLatent -> SaveLatent video "12" / audio "13" (``prefixes``)."""
+    w, h, length = size
+    return {
+        "4": {"class_type": "H3TurboTestConditioning", "inputs": {"model": model, "seed": 0, "tokens": tokens}},
+        "5": {"class_type": "BasicGuider", "inputs": {"model": model, "conditioning": ["4", 0]}},
+        "6": {"class_type": "H3TurboSigmas", "inputs": {"model": model, "steps": 0}},
+        "7": {"class_type": "H3TurboSampler", "inputs": {"state_dtype": "fp32", "update": update}},
+        "8": {"class_type": "RandomNoise", "inputs": {"noise_seed": seed}},
+        "9": {"class_type": "EmptyMiniMaxH3LatentAV", "inputs": {"width": w, "height": h, "length": length}},
+        "10": {"class_type": "SamplerCustomAdvanced", "inputs": {"noise": ["8", 0], "guider": ["5", 0],
+                                                                 "sampler": ["7", 0], "sigmas": ["6", 0],
+                                                                 "latent_image": ["9", 0]}},
+        "11": {"class_type": "LTXVSeparateAVLatent", "inputs": {"av_latent": ["10", 0]}},
+        "12": {"class_type": "SaveLatent", "inputs": {"samples": ["11", 0], "filename_prefix": prefixes[0]}},
+        "13": {"class_type": "SaveLatent", "inputs": {"samples": ["11", 1], "filename_prefix": prefixes[1]}},
+    }

@@ -12,7 +12,10 @@ does not run (``supports`` False, or a ValueError / H3TurboError naming the reas
 Rows past 512 compare a sample of 256 rows (first 64, last 64, 128 spread). Attention rows (``ATTN=1``): each
 backend's override on H3's layout (56 x 128 heads, core's strided q/k/v) at S in ``ATTN_S`` against its eager
 reference within its stated ``tolerance`` (non-approximate backends also in bf16, bound 1e-2 / cos 0.9999: bf16
-rounding); a backend that hands the call to core's attention is a refusal (the reason from its log line).
+rounding); a backend that hands the call to core's attention is a refusal (the reason from its log line). Fused
+block rows (``FUSED=1``): ``kernels/fused.py``'s norm_mod (fp8 / bf16 out), swiglu, gate_residual_, quant_rows and
+qk_norm_rope at H3's widths against their eager references; the exact GEMM forced to each autotuner config
+(``exact_fused_cfg``) on qkv at 1 / 63 / 200 rows.
 
 Demo rows (``MODE=demo``; ``MODE=all`` runs both): ``python -m h3_turbo.demo --gpu`` in a subprocess on the tiny
 demo workflow per compute (auto, reference, exact, fp8) with attention auto, per attention backend with compute
@@ -26,7 +29,8 @@ Run on the GPU machine from the repo root (after ``.dev/prep.sh``, which sets CO
 ``python3 benchmarks/gpu_conformance.py``; CPU check of the whole logic at tiny shapes (kernel paths run by the
 Triton interpreter): ``DRY=1 OUT=/tmp/conf python benchmarks/gpu_conformance.py``.
 Env: OUT (default benchmarks/results), TAG (file name suffix), MODE (sweep | demo | all), PATHS, SHAPES, MS
-(comma lists), LORA (0, 1 or both), ATTN (0: no attention rows), ATTN_S, DEADLINE (s, default 330),
+(comma lists), LORA (0, 1 or both), FUSED (0: no fused-kernel rows), ATTN (0: no attention rows), ATTN_S,
+QUICK_TUNE (0: Triton's own autotuning timings), DEADLINE (s, default 330),
 DEMO_TIMEOUT (s per demo run, default 240), REALWIDTH=1.
 """
 from __future__ import annotations
@@ -322,6 +326,87 @@ def exact_config_sweep():
                 add(row)
 
 
+# ------------------------------------------------------------------------------------- fused block kernels
+
+def _fp8_rel(y8, sy, h64) -> float:
+    """Relative L2 of the e4m3 codes times their row scales against the float64 value they encode."""
+    d = y8.double() * sy.double()
+    return ((d - h64).norm() / h64.norm()).item()
+
+
+def fused_sweep():
+    """The fused DiT block's kernels that are callable on their own (kernels/fused.py), at H3's widths and the row
+    counts in MS, against their eager float64 references. Bounds: an e4m3 output 0.035 (its rounding, as the CPU
+    tests), a bf16 output 1e-2, the gated residual bit for bit (core's addcmul_), the row quantization's scales
+    equal and its codes within one e4m3 step of the reference's on < 0.5% of the values (rounding ties)."""
+    from h3_turbo.kernels import fused as fk
+
+    hidden, ffn, heads, d, r2 = (96, 80, 2, 64, 16) if DRY else (5376, 14336, 56, 128, 48)
+    g = torch.Generator(device=dev).manual_seed(3)
+    w = (1.0 + 0.3 * torch.randn(hidden, device=dev, generator=g)).to(torch.bfloat16)
+    ada = (torch.randn(6, 6 * hidden, device=dev, generator=g) * 0.4).to(torch.bfloat16)
+    sh, sc, gate = ada[:, :hidden], ada[:, hidden:2 * hidden], ada[:, 2 * hidden:3 * hidden]
+    qw = (1 + 0.2 * torch.randn(d, device=dev, generator=g)).to(torch.bfloat16)
+    kw = (1 + 0.2 * torch.randn(d, device=dev, generator=g)).to(torch.bfloat16)
+    for m in MS:
+        segs = [(0, m, 1)] if m < 2 else [(0, m // 3, 1), (m // 3, m, 0)]
+        rows = fk.segment_rows(segs, m, dev)
+        x = (torch.randn(m, hidden, device=dev, generator=g) * 2.0).to(torch.bfloat16)
+        other = torch.randn(m, hidden, device=dev, generator=g).to(torch.bfloat16)
+        h = (torch.randn(m, 2 * ffn, device=dev, generator=g) * 3.0).to(torch.bfloat16)
+        ang = torch.randn(m, r2, device=dev, generator=g) * 4.0
+        table = torch.stack([ang.cos(), -ang.sin(), ang.sin(), ang.cos()], -1).reshape(1, m, 1, r2, 2, 2)
+        qkv = (torch.randn(m, 3 * heads * d, device=dev, generator=g) * 3.0).to(torch.bfloat16)
+
+        def norm_fp8():
+            y8, sy = fk.norm_mod(x, w, 1e-5, sh, sc, rows)
+            return _fp8_rel(y8, sy, fk.norm_mod_ref(x, w, 1e-5, sh, sc, rows)[0]), 0.035
+
+        def norm_bf16():
+            y = fk.norm_mod(x, w, 1e-5, sh, sc, rows, out="bf16")
+            h64 = fk.norm_mod_ref(x, w, 1e-5, sh, sc, rows)[0]
+            return ((y.double() - h64).norm() / h64.norm()).item(), 1e-2
+
+        def swiglu_fp8():
+            y8, sy = fk.swiglu(h)
+            return _fp8_rel(y8, sy, fk.swiglu_ref(h)), 0.035
+
+        def gate_res():
+            want = fk.gate_residual_ref(x, other, gate, rows)
+            got = fk.gate_residual_(x.clone(), other, gate, rows)
+            return (0.0 if torch.equal(got.view(torch.int16), want.view(torch.int16)) else float("inf")), 0.0
+
+        def quant_rows():   # bound: the scales equal, codes within one e4m3 step where x * 448/amax is at a tie
+            y8, sy = fk.quant_rows(h)
+            q, s_ = fk.quantize_rows(h)
+            steps = (y8.view(torch.uint8).int() - q.view(torch.uint8).int()).abs()
+            same = torch.equal(sy, s_) and int(steps.max()) <= 1
+            return (float((steps > 0).float().mean()) if same else float("inf")), 5e-3
+
+        def rope():
+            want = fk.qk_norm_rope_ref(qkv, heads, d, table, qw, kw, 1e-6)
+            got = qkv.clone()
+            fk.qk_norm_rope(got, heads, d, table, qw, kw, 1e-6)
+            return ((got.double() - want.double()).norm() / want.double().norm()).item(), 1e-2
+
+        for kname, shape, fn in (("norm_mod:fp8", hidden, norm_fp8), ("norm_mod:bf16", hidden, norm_bf16),
+                                 ("swiglu:fp8", 2 * ffn, swiglu_fp8), ("gate_residual_", hidden, gate_res),
+                                 ("quant_rows", 2 * ffn, quant_rows), ("qk_norm_rope", f"{heads}x{d}:r{2 * r2}", rope)):
+            row = {"path": f"fused:{kname}", "shape": str(shape), "M": m, "lora": False}
+            if over_deadline():
+                add({**row, "ok": False, "skipped": f"DEADLINE {DEADLINE:.0f} s reached"})
+                continue
+            try:
+                rel, bound = fn()
+                sync()
+                row.update(rel=rel, bound=bound, ok=rel <= bound)
+                if not row["ok"]:
+                    row["error"] = f"rel {rel:.4g} > bound {bound}" if bound else "not bit-identical to its reference"
+            except Exception as e:  # noqa: BLE001
+                row.update(classify(e))
+            add(row)
+
+
 # ------------------------------------------------------------------------------------------ attention sweep
 
 def _comfy_importable() -> str | None:
@@ -482,6 +567,8 @@ def main() -> int:
         linear_sweep()
         if "exact" in PATH_NAMES:
             exact_config_sweep()
+        if os.environ.get("FUSED", "1") == "1":
+            fused_sweep()
         if ATTN:
             attention_sweep()
     if MODE in ("demo", "all"):

@@ -159,7 +159,10 @@ def _mutated(parity, how: str):
 @pytest.mark.parametrize("keyframes", [False, True], ids=["t2va", "keyframes"])
 def test_forward_matches_diffusers(comfy, parity, keyframes, record_property):
     """The DMD loader (save_pretrained shards) and UNETLoader (core file) vs diffusers, at DMD steps 1 and 3."""
-    assert parity["shards"] >= 2
+    from h3_turbo.formats.dmd import detect_dmd
+
+    det = detect_dmd(parity["index"])        # save_pretrained keeps the release's precisions and split q/k/v
+    assert parity["shards"] >= 2 and det.dtype_counts["F32"] == 12 and det.qkv == "split" and not det.errors
     worst = 0.0
     for which in ("dmd", "unet"):
         mp = _core_model(parity, which)

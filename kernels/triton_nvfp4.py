@@ -222,9 +222,9 @@ def gemm_exact(x2d: torch.Tensor, qdata: torch.Tensor, block_scale: torch.Tensor
     if lora is not None:
         h, bc, lscale, nb = lora
         forced = SETTINGS.forced_config
-        bn_ok = nb % 64 == 0 or (forced is not None and nb % forced["BN"] == 0)
-        if not bn_ok:
-            raise ValueError(f"gemm_exact: fused LoRA needs rows per block ({nb}) divisible by 64")
+        bn = forced["BN"] if forced is not None else 64   # autotuning keeps the tiles whose BN divides nb
+        if nb % bn:
+            raise ValueError(f"gemm_exact: fused LoRA needs rows per block ({nb}) divisible by the tile's {bn} rows")
         r = bc.shape[1]
         if h.stride(1) != 1:
             h = h.contiguous()

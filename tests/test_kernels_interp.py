@@ -88,6 +88,38 @@ def test_triton_gemm_exact_vs_float64(tk, swap, n, k, m):
     assert rel(got, dsp.linear(x, dsp.prepare(p, "reference"), "reference")) < 1e-2
 
 
+@pytest.mark.parametrize("bm,bn,swap", [(64, 64, False), (64, 64, True), (32, 128, False)])
+@pytest.mark.parametrize("k", [256, 176])
+def test_triton_gemm_exact_hopper_tile_sizes_vs_float64(tk, bm, bn, swap, k):
+    """The tile sizes the GPU autotuner picks for 33-256 rows (64-row x @ W^T tiles: the ones Triton 3.6 could not
+    build for Hopper before the weight tile became two plain nibble operands, issue 42), run by the interpreter at
+    row counts around the tile edge, K a multiple of 128 and not, with the fused LoRA epilogue: within the bf16
+    bound of the float64 product. The K permutation (high nibbles x even columns, low x odd) is checked by the
+    same comparison: pairing them the other way round is ~100% off."""
+    n = 3 * max(64, bn)                    # qkv blocks of n / 3 rows: each BN tile inside one block
+    p = make_packed(n, k, seed=bm + bn + k)
+    pr = dsp.prepare(p, "exact")
+    w64 = ref.dequant_fp64(p.qdata, p.block_scale, p.global_scale, n, k)
+    g = torch.Generator().manual_seed(k)
+    tk.SETTINGS.forced_config = {"BM": bm, "BN": bn, "GROUP_M": 4, "SWAP": swap, "num_warps": 4, "num_stages": 1}
+    try:
+        for m in (bm - 1, bm + 1):
+            x = torch.randn(m, k, generator=g).to(torch.bfloat16)
+            want = x.double() @ w64.t()
+            assert rel(tk.gemm_exact(x, p.qdata, p.block_scale, pr.gs, n, k), want) < 3e-3
+            xs = x.view(m, k // 2, 2).flip(-1).reshape(m, k)          # even/odd columns swapped: must not match
+            assert rel(tk.gemm_exact(xs, p.qdata, p.block_scale, pr.gs, n, k), want) > 0.5
+        A, Bc = _lora_ab(g, 3 * 4, n, 4, k)
+        h = torch.nn.functional.linear(x, A)
+        got = tk.gemm_exact(x, p.qdata, p.block_scale, pr.gs, n, k, lora=(h, Bc, 0.75, n // 3))
+        assert rel(got, dsp.lora_reference(x, p, A, Bc, 0.75, 3)) < 3e-3
+        if bn > 64:                        # a tile across two blocks would read the wrong h columns: refused
+            with pytest.raises(ValueError, match="divisible by the tile's"):
+                tk.gemm_exact(x, p.qdata, p.block_scale, pr.gs, n, k, lora=(h, Bc, 0.75, 64))
+    finally:
+        tk.SETTINGS.forced_config = None
+
+
 def test_triton_gemm_strided_input_and_3d(tk):
     n, k = 64, 256
     p = make_packed(n, k, seed=3)

@@ -6,6 +6,7 @@ the CPU, on whichever core ``COMFYUI_PATH`` names (the suite re-runs this file o
   within the bound the unmasked equivalence has (relative 1e-5), kept tokens on the latent image, generated tokens
   not; the Turbo 4-step contract run with a mask;
 - H3 Turbo Multi-GPU (2 gloo workers) with a mask: bit-identical to one process;
+- ``adaln=table`` with a mask (the kept tokens' extra timesteps): bit-identical to the resident AdaLN weights;
 - the fused block's eager route (kernels.fused.EAGER) with per-token modulation rows: the same bits as the same rows
   given as one segment per run of equal rows, on core's block and on the fused block.
 """
@@ -59,13 +60,17 @@ _SEQ = [0]
 
 
 def graph(*, sampler="turbo", video="first_frame", audio="first_half", steps=4, seed=42, shift=(6.0, 3.0),
-          contract=False, sp=None, size=(64, 64, 5)):
+          contract=False, sp=None, size=(64, 64, 5), adaln=None):
     """UNETLoader (BF16) -> ModelSamplingMiniMaxH3 [-> Turbo 4-step contract] [-> Multi-GPU] -> BasicGuider;
     EmptyMiniMaxH3LatentAV -> H3TurboTestMaskLatent; SamplerCustomAdvanced (H3 Turbo Sampler on H3 Turbo Sigmas, or
     core's ``sampler`` on BasicScheduler simple) -> keep."""
     _SEQ[0] += 1
     tag = f"mask{_SEQ[0]}"
-    p = {"1": {"class_type": "UNETLoader", "inputs": {"unet_name": "h3_tiny_bf16.safetensors", "weight_dtype": "default"}},
+    loader = {"class_type": "UNETLoader", "inputs": {"unet_name": "h3_tiny_bf16.safetensors", "weight_dtype": "default"}}
+    if adaln is not None:
+        loader = {"class_type": "H3TurboNVFP4Loader", "inputs": {"unet_name": "h3_tiny_bf16.safetensors",
+                                                                "compute": "reference", "adaln": adaln}}
+    p = {"1": loader,
          "2": {"class_type": "MiniMaxH3SigmaShift", "inputs": {"model": ["1", 0], "shift_video": shift[0],
                                                                "shift_audio": shift[1]}}}
     m = ["2", 0]
@@ -165,6 +170,19 @@ def test_masked_multigpu_on_2_workers_is_bit_identical_to_one_process(rt, sample
     many = run(rt, sampler=sampler, video="ramp", audio="first_half", steps=2, sp=2)
     assert pool.LAST_RUN["world"] == 2
     for a, b in zip(one, many):
+        assert torch.equal(a, b), float((a - b).abs().max())
+
+
+def test_adaln_table_with_a_mask_equals_resident(rt, monkeypatch, tmp_path):
+    """adaln=table (the AdaLN rows looked up per timestep group; a mask adds the kept tokens' timesteps, which the
+    memo computes from the weights) with a mask: the same bits as the resident AdaLN weights."""
+    monkeypatch.setenv("H3_TURBO_ADALN_CACHE", str(tmp_path))
+    got = {}
+    for adaln in ("resident", "table"):
+        rt.executor.reset()                       # a fresh load: a new, empty memo
+        got[adaln] = run(rt, video="ramp", audio="first_half", steps=2, adaln=adaln)
+    rt.executor.reset()
+    for a, b in zip(got["resident"], got["table"]):
         assert torch.equal(a, b), float((a - b).abs().max())
 
 

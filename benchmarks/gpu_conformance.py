@@ -18,9 +18,10 @@ qk_norm_rope at H3's widths against their eager references; the exact GEMM force
 (``exact_fused_cfg``) on qkv at 1 / 63 / 200 rows.
 
 Demo rows (``MODE=demo``; ``MODE=all`` runs both): ``python -m h3_turbo.demo --gpu`` in a subprocess on the tiny
-demo workflow per compute (auto, reference, exact, fp8) with attention auto, per attention backend with compute
-exact, and per prompt length (1, 50, 256, 300 text tokens) with exact and fp8; ``REALWIDTH=1`` adds the real-width
-random model (hidden 5376, 1 DiT + 2 refiner blocks, written by ``tools.fixtures.make_fixtures``) at those lengths.
+demo workflow (``DEMO=tiny``, the default) per compute (auto, reference, exact, fp8) with attention auto, per
+attention backend with compute exact, and per prompt length (1, 50, 256, 300 text tokens) with exact and fp8;
+``DEMO=realwidth`` (or ``tiny,realwidth``): the real-width random model (hidden 5376, 1 DiT + 2 refiner blocks,
+written to a temporary folder by ``tools.fixtures.make_fixtures``) at those lengths with exact and fp8.
 
 Writes ``$OUT/gpu_conformance_<gpu>.json`` (``<gpu>``: h100, h200, ...; ``dry_cpu`` for DRY) after every row.
 Exit status: 0 every row ok or refused; 1 some row neither; 3 none bad but ``DEADLINE`` (s) cut the run short.
@@ -31,7 +32,7 @@ Triton interpreter): ``DRY=1 OUT=/tmp/conf python benchmarks/gpu_conformance.py`
 Env: OUT (default benchmarks/results), TAG (file name suffix), MODE (sweep | demo | all), PATHS, SHAPES, MS
 (comma lists), LORA (0, 1 or both), FUSED (0: no fused-kernel rows), ATTN (0: no attention rows), ATTN_S,
 QUICK_TUNE (0: Triton's own autotuning timings), DEADLINE (s, default 330),
-DEMO_TIMEOUT (s per demo run, default 240), REALWIDTH=1.
+DEMO_TIMEOUT (s per demo run, default 240), DEMO (tiny and/or realwidth).
 """
 from __future__ import annotations
 
@@ -505,15 +506,18 @@ def _workflow(compute: str, backend: str, tokens: int) -> dict:
 def demo_runs():
     from h3_turbo.kernels.attention import registry as areg
 
-    runs = [(c, "auto", 16, False) for c in ("auto", "reference", "exact", "fp8")]
-    runs += [("exact", b, 16, False) for b in areg.names()]
-    runs += [(c, "auto", t, False) for c in ("exact", "fp8") for t in (1, 50, 256, 300)]
-    if os.environ.get("REALWIDTH") == "1":
+    sets = _list("DEMO", ["tiny"])
+    runs = []
+    if "tiny" in sets:
+        runs += [(c, "auto", 16, False) for c in ("auto", "reference", "exact", "fp8")]
+        runs += [("exact", b, 16, False) for b in areg.names()]
+        runs += [(c, "auto", t, False) for c in ("exact", "fp8") for t in (1, 50, 256, 300)]
+        if DRY:   # the CPU check of this logic: one run per kind (a kernel path is refused by name on the CPU)
+            runs = [("auto", "auto", 16, False), ("exact", "auto", 300, False), ("auto", areg.names()[-1], 1, False)]
+    if "realwidth" in sets:
         runs += [(c, "auto", t, True) for c in ("exact", "fp8") for t in (1, 50, 256, 300)]
-    if DRY:   # the CPU check of this logic: one run per kind (a kernel path is refused by name on the CPU)
-        runs = [("auto", "auto", 16, False), ("exact", "auto", 300, False), ("auto", areg.names()[-1], 1, False)]
-        if os.environ.get("REALWIDTH") == "1":
-            runs.append(("auto", "auto", 50, True))
+        if DRY:
+            runs = runs[:-8] + [("auto", "auto", 50, True)]
     tmp = tempfile.mkdtemp(prefix="h3conf_")
     os.symlink(REPO, os.path.join(tmp, "h3_turbo"))      # `python -m h3_turbo.demo` from this checkout
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([tmp] + [p for p in os.environ.get("PYTHONPATH", "").split(

@@ -152,6 +152,44 @@ def test_guard_runs_exact_only_for_the_layer_that_fails(caplog):
     assert g.layer(None) == ("call", None)
 
 
+def test_cudnn_fp8_override_guard_on_its_model(caplog):
+    """cudnn_fp8's override with a guard, on its eager model (CPU): a qk_outlier layer fails and runs exact, a rand
+    layer keeps FP8; the auto8 chooser's copy of a guarded override has no guard of its own."""
+    from h3_turbo.kernels.attention import auto8
+    from h3_turbo.kernels.attention import exact as A
+
+    ov = C.CudnnFP8Attention(fallback=A.cpu_exact(), devices=("cpu",), emulate=True, guard=G.LayerGuard("cudnn_fp8"))
+    core = lambda *a, **k: (_ for _ in ()).throw(AssertionError("core called"))   # noqa: E731
+    to = {"sigmas": torch.tensor([1.0])}
+    outs = []
+    with caplog.at_level(logging.WARNING, logger="h3_turbo"):
+        for case in ("rand", "qk_outlier"):
+            q, k, v = _call(case)
+            outs.append((ov(core, q, k, v, 2, skip_reshape=True, transformer_options=to), q, k, v))
+    assert ov.calls == 1 and set(ov.guard.exact) == {("call", 1)}
+    o, q, k, v = outs[1]
+    assert torch.equal(o, A.cpu_exact()(core, q, k, v, 2, skip_reshape=True))
+    assert any("layer call 1 fails" in r.getMessage() for r in caplog.records)
+
+
+def test_auto8_runs_unguarded_copies_of_guarded_candidates(monkeypatch):
+    """auto8 checks each layer with its own guard: its candidates are copies of the process-wide overrides without
+    theirs (one copy per candidate, the originals keep their guards)."""
+    from types import SimpleNamespace
+
+    from h3_turbo.kernels.attention import auto8, registry
+    from h3_turbo.kernels.attention import exact as A
+
+    orig = C.CudnnFP8Attention(fallback=A.cpu_exact(), devices=("cpu",), emulate=True, guard=G.LayerGuard("x"))
+    fake = SimpleNamespace(supports=lambda d: (True, ""), override=lambda: orig)
+    monkeypatch.setattr(registry, "names", lambda: ("cudnn_fp8",))
+    monkeypatch.setattr(registry, "get", lambda n: fake)
+    a8 = auto8.Auto8Attention(exact_override=A.cpu_exact(), devices=("cpu",), guard=G.LayerGuard("auto8"))
+    c1 = a8.candidates("cpu")["cudnn_fp8"]
+    c2 = a8.candidates("cpu")["cudnn_fp8"]
+    assert c1 is c2 and c1 is not orig and c1.guard is None and orig.guard is not None and c1.emulate
+
+
 def test_guard_measure_against_sampled_exact_rows():
     q, k, v = _call("rand", S=300, H=3, D=64)
     rows = G.sample_rows(300, 64)
@@ -192,7 +230,7 @@ def test_interp_int8_sage_default_hopper_config_on_every_case(case):
         assert plain["rel_l2"] > 0.15 and plain["cos_min"] < 0.99, plain
 
 
-def _producer_inputs(case: str, S=192, H=2, d=128, seed=0):
+def _producer_inputs(case: str, S=128, H=2, d=128, seed=0):
     """qkv / rope table / norm weights whose RMSNorm + RoPE output has ``case``'s channel statistics (the outlier
     gains carried by the norm weights, as a trained k_norm would)."""
     g = torch.Generator().manual_seed(seed)
@@ -214,15 +252,15 @@ def _producer_inputs(case: str, S=192, H=2, d=128, seed=0):
 
 
 @interp
-@pytest.mark.parametrize("case", ["rand", "k_outlier", "qk_outlier"])
+@pytest.mark.parametrize("case", ["k_outlier", "qk_outlier"])
 def test_interp_fused_route_producer_and_kernel(case):
     """The fused route (qk_norm_rope_sage rotating q after RoPE + sage_attention_prequantized) within the bound on
     outlier channels made by the norm weights; its output is the standalone kernel's (Q_ROW) on qk_norm_rope's q / k
     bit for bit, rotated or not (the producer and the Q pre-kernel rotate with the same float32 ops); the unrotated
-    route fails k_outlier."""
+    route fails k_outlier (run for that case only)."""
     from h3_turbo.kernels import fused as fk
 
-    S, H, d = 192, 2, 128
+    S, H, d = 128, 2, 128
     qkv, table, qw, kw = _producer_inputs(case, S, H, d)
     inner = H * d
     rope = qkv.clone()
@@ -231,20 +269,18 @@ def test_interp_fused_route_producer_and_kernel(case):
     q4, k4, v4 = view(rope[:, :inner]), view(rope[:, inner:2 * inner]), view(rope[:, 2 * inner:])
     ref = reference_attention(q4, k4, v4)
     res = {}
-    monkey = fk.SETTINGS["sage_stats"]
-    fk.SETTINGS["sage_stats"] = "torch"          # one torch sum: the statistics the standalone kernel takes
-    try:
-        for rot in (True, False):
-            x = qkv.clone()
-            prep = fk.qk_norm_rope_sage(x, H, d, table, qw, kw, 1e-6, rotate=rot)
-            cfg = {"BLOCK_M": 64, "BLOCK_N": 128, "ROTATE": rot}
-            out = Q.sage_attention_prequantized(prep["q8"], prep["qs"], view(x[:, inner:2 * inner]),
-                                                view(x[:, 2 * inner:]), prep["ksum"], prep["vamax"], config=cfg)
-            want = Q.sage_attention(q4, k4, v4, config={**cfg, "QPRE": True, "Q_ROW": True}, out_layout="blhd")
-            assert torch.equal(out, want), rot
-            res[rot] = accuracy(out[0].view(S, H, d).transpose(0, 1).float(), ref)
-    finally:
-        fk.SETTINGS["sage_stats"] = monkey
+    for rot in (True, False) if case == "k_outlier" else (True,):
+        x = qkv.clone()
+        prep = fk.qk_norm_rope_sage(x, H, d, table, qw, kw, 1e-6, rotate=rot)
+        kc, vc = x[:, inner:2 * inner].view(S, H, d), x[:, 2 * inner:].view(S, H, d)
+        prep["ksum"] = kc.sum(dim=0, dtype=torch.float32, keepdim=True)    # one torch sum: the standalone kernel's
+        prep["vamax"] = vc.abs().amax(dim=0, keepdim=True).float()         # statistics (kv_stats)
+        cfg = {"BLOCK_M": 64, "BLOCK_N": 128, "ROTATE": rot}
+        out = Q.sage_attention_prequantized(prep["q8"], prep["qs"], view(x[:, inner:2 * inner]),
+                                            view(x[:, 2 * inner:]), prep["ksum"], prep["vamax"], config=cfg)
+        want = Q.sage_attention(q4, k4, v4, config={**cfg, "QPRE": True, "Q_ROW": True}, out_layout="blhd")
+        assert torch.equal(out, want), rot
+        res[rot] = accuracy(out[0].view(S, H, d).transpose(0, 1).float(), ref)
     assert res[True]["rel_l2"] <= REL_MAX and res[True]["cos_min"] >= COS_MIN, res
     if case == "k_outlier":
         assert res[False]["rel_l2"] > 0.15 and res[False]["cos_min"] < 0.99, res
@@ -271,6 +307,27 @@ def test_interp_int8_override_guard_runs_a_failing_layer_exact(caplog):
     assert torch.equal(o1, exact1)
     assert accuracy(o0[0].float(), reference_attention(q0, k0, v0))["cos_min"] > 0.998
     assert any("layer call 1 fails" in r.getMessage() for r in caplog.records)
+
+
+@interp
+def test_interp_auto8_with_its_guard_on_every_case(caplog):
+    """auto8 (CPU candidates: int8_sage interpreted, cudnn_fp8's model) over one forward whose six attention layers see
+    the six cases at one shape: its per-bucket choice is made on the first layer only; the guard checks every layer,
+    and every layer's output is within the bound (a layer the choice does not serve runs exact)."""
+    from h3_turbo.kernels.attention import auto8
+
+    ov = auto8.BACKEND.cpu_override()
+    core = lambda *a, **k: (_ for _ in ()).throw(AssertionError("core called"))   # noqa: E731
+    to = {"sigmas": torch.tensor([1.0])}
+    with caplog.at_level(logging.INFO, logger="h3_turbo"):
+        for case in stress.CASES:
+            q, k, v = _call(case, S=128)
+            out = ov(core, q, k, v, 2, skip_reshape=True, skip_output_reshape=True, transformer_options=to)
+            acc = accuracy(out[0].float(), reference_attention(q, k, v))
+            assert acc["rel_l2"] <= REL_MAX and acc["cos_min"] >= COS_MIN, (case, acc)
+    assert len(ov.choices) == 1 and ov.guard.checks == len(stress.CASES)
+    assert {lay for lay, _ in ov.guard.verdicts} == {("call", i) for i in range(len(stress.CASES))}
+    assert sum(ov.by_backend.values()) == len(stress.CASES)
 
 
 @pytest.fixture

@@ -201,7 +201,8 @@ class Auto8Backend(AttentionBackend):
 
     def cpu_override(self) -> Auto8Attention:
         """The chooser on CPU tensors: candidates the CPU overrides of ``cudnn_fp8`` (eager model) and ``int8_sage``
-        (needs ``TRITON_INTERPRET=1``), reference :func:`.exact.cpu_exact`, a timer that counts wall time."""
+        (needs ``TRITON_INTERPRET=1``), reference :func:`.exact.cpu_exact`, a timer that counts wall time, a
+        :class:`.guard.LayerGuard` as the process-wide override's."""
         import time
 
         from . import cudnn_fp8, int8_sage
@@ -211,9 +212,11 @@ class Auto8Backend(AttentionBackend):
             fn()
             return time.perf_counter() - t
 
+        from .guard import LayerGuard
+
         return Auto8Attention(candidates={"cudnn_fp8": cudnn_fp8.BACKEND.cpu_override(),
                                           "int8_sage": int8_sage.BACKEND.cpu_override()},
-                              exact_override=exact.cpu_exact(), timer=wall, devices=("cpu",))
+                              exact_override=exact.cpu_exact(), timer=wall, devices=("cpu",), guard=LayerGuard(NAME))
 
 
 BACKEND = Auto8Backend()

@@ -127,14 +127,18 @@ class _Graph:
 class CudnnFP8Attention:
     """Core attention override running cuDNN's FP8 SDPA (module docstring). ``fallback``: what runs every call it
     does not take (default: the process-wide ``exact`` override); ``devices``: device types it serves.
-    ``calls`` / ``fallbacks``: counters; ``graphs``: built graphs by shape (a shape cuDNN refused maps to its reason)."""
+    ``calls`` / ``fallbacks``: counters; ``graphs``: built graphs by shape (a shape cuDNN refused maps to its reason).
+    ``guard``: a :class:`.guard.LayerGuard` (the process-wide override has one): a layer whose output fails it on its
+    first call of a shape runs ``fallback`` from then on (that call included); None: no check."""
 
     backend = NAME
 
-    def __init__(self, fallback: Callable | None = None, devices: Sequence[str] = DEVICES, emulate: bool = False):
+    def __init__(self, fallback: Callable | None = None, devices: Sequence[str] = DEVICES, emulate: bool = False,
+                 guard=None):
         self.fallback = fallback if fallback is not None else exact.exact_override()
         self.devices = tuple(devices)
         self.emulate = bool(emulate)      # tests: :func:`emulate_sdpa_fp8` instead of the cuDNN graph (CPU)
+        self.guard = guard
         self.calls = 0
         self.fallbacks = 0
         self.graphs: dict = {}
@@ -207,6 +211,10 @@ class CudnnFP8Attention:
         if isinstance(call, str):
             return self._fall(call, func, args, kwargs)
         q4, k4, v4 = call.q, call.k, call.v
+        guard = self.guard
+        layer = guard.layer(kwargs.get("transformer_options")) if guard is not None else None
+        if guard is not None and guard.runs_exact(layer):
+            return self.fallback(func, *args, **kwargs)
         try:
             got = self.attention_fp8(q4, k4, v4, call.scale)
         except Exception as e:  # noqa: BLE001 - a launch failure on this GPU/driver: say so once, run exact
@@ -214,17 +222,30 @@ class CudnnFP8Attention:
         if isinstance(got, str):
             return self._fall(got, func, args, kwargs)
         o8, descale = got
-        self.calls += 1
         b, h, lq, d = q4.shape
         out = (o8.to(q4.dtype) * descale.to(q4.dtype))           # [B, Lq, H*D]; descale is a power of two: exact
         if call.skip_output_reshape:
             out = out.view(b, lq, h, d).transpose(1, 2)
+        if guard is not None:
+            from .exact import shape_key
+            from .guard import out_rows
+
+            key = shape_key(q4, k4)
+            if guard.needs_check(layer, key):
+                rows = guard.sample(lq, q4.device)
+                if not guard.check(layer, key, q4[:, :, rows], k4, v4,
+                                   out_rows(out, rows, h, call.skip_output_reshape), call.scale):
+                    return self.fallback(func, *args, **kwargs)
+        self.calls += 1
         return out
 
 
 def cudnn_fp8_override() -> CudnnFP8Attention:
-    """The process-wide ``cudnn_fp8`` override (:data:`h3_turbo.state.ATTENTION_CUDNN_FP8`)."""
-    return state.ATTENTION_CUDNN_FP8.get(CudnnFP8Attention)
+    """The process-wide ``cudnn_fp8`` override (:data:`h3_turbo.state.ATTENTION_CUDNN_FP8`), with a per-layer
+    :class:`.guard.LayerGuard`."""
+    from .guard import LayerGuard
+
+    return state.ATTENTION_CUDNN_FP8.get(lambda: CudnnFP8Attention(guard=LayerGuard(NAME)))
 
 
 class CudnnFP8Backend(AttentionBackend):
@@ -237,7 +258,8 @@ class CudnnFP8Backend(AttentionBackend):
     approximate = True
     fallback = "exact"
     apply_note = ("cuDNN FP8 attention (cudnn_fp8) on this MODEL: approximate, ~6% relative per attention call; "
-                  "inputs it does not take run exact attention")
+                  "each attention layer is checked against exact attention on its first call of a shape and runs "
+                  "exact from then on if it fails; inputs it does not take run exact attention")
     # the CPU check runs the eager model of the kernel's quantization (emulate_sdpa_fp8), bf16 inputs vs float32
     tolerance = Tolerance(rel_l2=0.10, cos_min=0.995, dtype=torch.bfloat16)
     reference_dtype = torch.float32

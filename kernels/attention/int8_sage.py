@@ -153,8 +153,9 @@ class Int8SageBackend(AttentionBackend):
                "about 1.3x faster than exact on an H200); needs a GPU with FP8 (sm_89+), else exact.")
     approximate = True
     fallback = "exact"
-    apply_note = ("8-bit attention (int8_sage: INT8 Q.K, FP8 P.V) on this MODEL: approximate, ~4% relative per "
-                  "attention call; inputs it does not take run exact attention")
+    apply_note = ("8-bit attention (int8_sage: Hadamard-rotated INT8 Q.K, FP8 P.V) on this MODEL: approximate, ~4% "
+                  "relative per attention call; each attention layer is checked against exact attention on its first "
+                  "call of a shape and runs exact from then on if it fails; inputs it does not take run exact attention")
     # bf16 inputs, vs float32 attention (fp8 P V: ~4 % relative L2 on H3-like inputs)
     tolerance = Tolerance(rel_l2=0.06, cos_min=0.998, dtype=torch.bfloat16)
     reference_dtype = torch.float32

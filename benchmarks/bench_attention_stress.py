@@ -17,7 +17,8 @@ Run (GPU, repo root; ~4 min on an H100):
     python3 benchmarks/bench_attention_stress.py          -> benchmarks/results/attention_stress_<gpu>.json
 DRY=1 runs the whole logic on the CPU at tiny shapes (Triton interpreted) -> attention_stress_dry.json.
 ``OUT`` (default benchmarks/results) changes the folder; ``LENGTHS=19584`` / ``BACKENDS=int8_sage,cudnn_bf16`` run a
-part (``cudnn_bf16`` is needed for ``x_cudnn``); ``TAG`` is appended to the file name. The FA3 wheel: if ``fa3_fwd_interface`` does not import
+part (``cudnn_bf16`` is needed for ``x_cudnn``); ``APPEND=1`` keeps the rows already in the file (those of another
+length or backend; a row of the same backend, case and length is replaced); ``TAG`` is appended to the file name. The FA3 wheel: if ``fa3_fwd_interface`` does not import
 and ./.whl/fa3_fwd-*.whl exists, it is installed with ``pip install --no-deps`` first (this script only).
 """
 import glob
@@ -174,6 +175,13 @@ def extra_timings(S, q, k, v):
     return e
 
 
+def fns_names() -> list:
+    """The backend names this run may write (:func:`backends`' keys, for APPEND)."""
+    names = ["cudnn_bf16", "fa3_bf16", "fa3_fp8", "fa3_fp8_rot_smooth", "int8_sage", "int8_sage_unrotated",
+             "int8_route", "int8_route_unrotated", "cudnn_fp8"]
+    return [n for n in names if ONLY is None or n in ONLY]
+
+
 def main():
     logs = []
     collect_logs(logs)
@@ -184,6 +192,14 @@ def main():
     result = {"gpu": "cpu (DRY)" if DRY else torch.cuda.get_device_name(), "torch": torch.__version__,
               "heads": HEADS, "head_dim": D, "sample": [SAMPLE_ROWS, SAMPLE_HEADS], "rows": [], "extra": {},
               "log": logs}
+
+    if os.environ.get("APPEND") == "1" and os.path.exists(path):
+        with open(path) as f:
+            old = json.load(f)
+        done = {(b, c, s) for b in fns_names() for c in stress.CASES for s in LENGTHS}
+        result["rows"] = [r for r in old.get("rows", []) if (r["backend"], r["case"], r["S"]) not in done]
+        result["extra"] = {k: v for k, v in old.get("extra", {}).items() if int(k) not in LENGTHS}
+        result["log"].extend(old.get("log", [])[-50:])
 
     def save():
         with open(path, "w") as f:

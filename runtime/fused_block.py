@@ -532,7 +532,7 @@ def _guard_passes(guard, layer, qkv, heads, dh, freqs, qw, kw, eps, k4, v4, res,
     q_rows = qr.reshape(-1, heads, dh).transpose(0, 1).unsqueeze(0)
     if fp8_out:
         o8, so = res
-        o = o8[rows].float() * so[rows]
+        o = o8.view(torch.uint8)[rows].view(o8.dtype).float() * so[rows]    # rows of e4m3 gathered as bytes
     else:
         o = res[0, rows].float()
     approx = o.reshape(-1, heads, dh).transpose(0, 1).unsqueeze(0)

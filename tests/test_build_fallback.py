@@ -1,10 +1,11 @@
 """Kernels that must build on the GPUs we ship for, checked on the CPU, and what a layer does when one does not.
 
-- Ahead-of-time compile (no GPU: ``triton.compile`` for ``GPUTarget("cuda", 90, 32)``, all the way to a cubin with
-  the bundled ptxas) of the fused NVFP4 GEMM at every tile configuration its autotuner can pick, for every row
-  class (``m_bucket``), with and without the LoRA epilogue, K a multiple of 128 or not. The Triton interpreter
-  compiles nothing, so this is the test that sees a configuration the GPU compiler rejects (issue 42: Triton 3.6
-  rejected every ``SWAP=False`` tile of 64+ rows). Skipped loudly when this Triton cannot compile for sm_90 here.
+- Ahead-of-time compile (no GPU: ``triton.compile`` for ``GPUTarget("cuda", 90, 32)``, to a cubin with the bundled
+  ptxas or through the GPU-IR passes) of the fused NVFP4 GEMM at every tile configuration its autotuner can pick
+  for every row class (``m_bucket``), with and without the LoRA epilogue, K a multiple of 128 or not, and of the
+  weight fold the larger row classes run. The Triton interpreter compiles nothing, so this is the test that sees a
+  configuration the GPU compiler rejects (issue 42: Triton 3.6 rejected every ``SWAP=False`` tile of 64+ rows).
+  Skipped loudly when this Triton cannot compile for sm_90 here.
 - A kernel that fails to build or launch: the layer runs the stated fallback, logged once (build failure forced by
   a patched kernel call).
 """
@@ -83,6 +84,37 @@ class _Stop(Exception):
     """Raised by the first stage after the one a test compiles to."""
 
 
+def _compile_sm90(monkeypatch, tmp_path, fn, types: dict, consts: dict, div16, num_warps: int, num_stages: int,
+                  full: bool):
+    """``fn`` compiled for sm_90: to a cubin (``full``) or through Triton's GPU-IR passes only (the stages after
+    "ttgir" replaced by a stop). ``types``: the non-constexpr arguments' Triton types (the rest "i32"); ``div16``:
+    the arguments the launcher would specialize as divisible by 16. Returns the compiled kernel, or None."""
+    triton, _, GPUTarget, ASTSource = _aot_probe()
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))   # compile for real, not a cached result
+    if not full:
+        from triton.backends.nvidia.compiler import CUDABackend
+        add_stages = CUDABackend.add_stages
+
+        def upto_ttgir(self, stages, options, *a, **kw):
+            add_stages(self, stages, options, *a, **kw)
+            for ext in list(stages)[list(stages).index("ttgir") + 1:]:
+                stages[ext] = lambda src, md: (_ for _ in ()).throw(_Stop())
+        monkeypatch.setattr(CUDABackend, "add_stages", upto_ttgir)
+    names = list(fn.arg_names)
+    assert set(types) | set(consts) | set(div16) <= set(names), names
+    sig = {n: "constexpr" if n in consts else types.get(n, "i32") for n in names}
+    src = ASTSource(fn, sig, {(names.index(k),): v for k, v in consts.items()},
+                    {(names.index(k),): [["tt.divisibility", 16]] for k in div16})
+    options = {"num_warps": num_warps, "num_stages": num_stages}
+    if not full:
+        with pytest.raises(_Stop):   # ttir and ttgir ran; stopped at the next stage
+            triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
+        return None
+    k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
+    assert k.asm.get("cubin"), "no cubin"
+    return k
+
+
 @pytest.mark.parametrize("variant", ["plain_evenK_m64", "lora_raggedK_m200"])
 @pytest.mark.parametrize("idx", [i for _, i in _IDS], ids=[n for n, _ in _IDS])
 def test_fused_gemm_compiles_for_sm90_at_every_pickable_config(idx, variant, tmp_path, monkeypatch):
@@ -91,42 +123,45 @@ def test_fused_gemm_compiles_for_sm90_at_every_pickable_config(idx, variant, tmp
     ptxas). ``lora_raggedK_m200``: the LoRA epilogue (rank 32), K % 128 != 0 (the tiny model's K = 64), 200 rows,
     compiled through Triton's GPU-IR passes (where issue 42's failure was; the LLVM and ptxas stages, 90% of the
     time, are left to the plain variant to keep this test to ~0.5 s)."""
-    triton, tk, GPUTarget, ASTSource = _aot_probe()
-    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))   # compile for real, not a cached result
+    _, tk, _, _ = _aot_probe()
     c = _pickable_configs(tk)[idx]
     lora = variant.startswith("lora")
-    if lora:
-        from triton.backends.nvidia.compiler import CUDABackend
-        add_stages = CUDABackend.add_stages
-
-        def upto_ttgir(self, stages, options, *a, **kw):
-            add_stages(self, stages, options, *a, **kw)
-            after = list(stages)[list(stages).index("ttgir") + 1:]
-            for ext in after:
-                stages[ext] = lambda src, md: (_ for _ in ()).throw(_Stop())
-        monkeypatch.setattr(CUDABackend, "add_stages", upto_ttgir)
-    fn = tk._nvfp4_gemm_kernel
-    names = list(fn.arg_names)
+    types = {"x_ptr": "*bf16", "q_ptr": "*u8", "s_ptr": "*u8", "gs_ptr": "*fp32", "out_ptr": "*bf16",
+             "h_ptr": "*bf16", "b_ptr": "*bf16" if lora else "*u8", "lora_scale": "fp32"}
     consts = {"INTERP": False, "HAS_LORA": lora, "BR": 32 if lora else 16, "EVEN_K": not lora, **c.kwargs}
-    ptrs = {"x_ptr": "*bf16", "q_ptr": "*u8", "s_ptr": "*u8", "gs_ptr": "*fp32", "out_ptr": "*bf16",
-            "h_ptr": "*bf16", "b_ptr": "*bf16" if lora else "*u8"}
-    sig = {n: "constexpr" if n in consts else ptrs.get(n, "fp32" if n == "lora_scale" else "i32") for n in names}
-    assert set(ptrs) | {"lora_scale"} <= set(names), names
     # what the launcher specializes: 16-byte aligned pointers, ints divisible by 16 (all H3 widths and strides)
-    div16 = [n for n in ptrs if n != "gs_ptr"] + ["N", "K", "stride_xm", "stride_om", "stride_q", "NCB4", "NB",
-                                                  "M_BUCKET"] + ([] if lora else ["M"])
-    src = ASTSource(fn, sig, {(names.index(k),): v for k, v in consts.items()},
-                    {(names.index(k),): [["tt.divisibility", 16]] for k in div16})
-    target = GPUTarget("cuda", 90, 32)
-    options = {"num_warps": c.num_warps, "num_stages": c.num_stages}
+    div16 = ["x_ptr", "q_ptr", "s_ptr", "out_ptr", "h_ptr", "b_ptr", "N", "K", "stride_xm", "stride_om", "stride_q",
+             "NCB4", "NB", "M_BUCKET"] + ([] if lora else ["M"])
+    k = _compile_sm90(monkeypatch, tmp_path, tk._nvfp4_gemm_kernel, types, consts, div16, c.num_warps,
+                      c.num_stages, full=not lora)
+    if k is not None:   # the tensor-core MMA is there (wgmma for 64+ row x @ W^T tiles, mma.sync otherwise)
+        assert "mma" in k.asm["ptx"]
+
+
+#: fold_weight's launches (the ``full`` / ``tiled`` strategies above 256 rows, fp8 weights=lean and its LoRA fold):
+#: (name, out type, HAS_LORA, FP8_OUT, INV_GIVEN, to a cubin)
+FOLDS = [("bf16", "*bf16", False, False, False, True), ("bf16_lora", "*bf16", True, False, False, False),
+         ("fp8_lean_base", "*fp8e4nv", False, True, True, False), ("fp8_lora", "*fp8e4nv", True, True, False, False)]
+
+
+@pytest.mark.parametrize("name,out,lora,fp8,inv,full", FOLDS, ids=[f[0] for f in FOLDS])
+def test_fold_kernel_compiles_for_sm90(name, out, lora, fp8, inv, full, tmp_path, monkeypatch):
+    """The weight fold (``triton_nvfp4._fold_kernel``) at the launch settings fold_weight uses (``FOLD_CFG``, the row
+    tile fold_bn gives H3's qkv blocks of 7168 rows and the tiny model's of 64), rank-128 LoRA (BR 128)."""
+    _, tk, _, _ = _aot_probe()
+    bn = tk.fold_bn(7168 if lora else None)
     if lora:
-        with pytest.raises(_Stop):   # ttir and ttgir ran; stopped at the next stage
-            triton.compile(src, target=target, options=options)
-        return
-    k = triton.compile(src, target=target, options=options)
-    assert k.asm.get("cubin"), "no cubin"
-    # the tensor-core MMA is there (wgmma for 64+ row tiles on the x @ W^T side, mma.sync otherwise)
-    assert "mma" in k.asm["ptx"]
+        assert tk.fold_bn(64) == bn   # the tiny model's blocks take the same tile
+    kb_per = tk.FOLD_CFG["kb_per"]
+    types = {"q_ptr": "*u8", "s_ptr": "*u8", "gs_ptr": "*fp32", "a_ptr": "*bf16" if lora else "*u8",
+             "b_ptr": "*bf16" if lora else "*u8", "lora_scale": "fp32", "amaxw_ptr": "*fp32", "amaxa_ptr": "*fp32",
+             "so_ptr": "*fp32", "inv_ptr": "*fp32", "out_ptr": out}
+    consts = {"HAS_LORA": lora, "FP8_OUT": fp8, "INV_GIVEN": inv, "BR": 128 if lora else 16, "BN": bn,
+              "KB_PER": kb_per, "INTERP": False}
+    div16 = ["q_ptr", "s_ptr", "a_ptr", "b_ptr", "out_ptr", "N", "K", "stride_q", "NCB4", "stride_a", "stride_o",
+             "NB"]
+    _compile_sm90(monkeypatch, tmp_path, tk._fold_kernel, types, consts, div16,
+                  tk.FOLD_CFG["warps"] if bn > 32 else 4, tk.FOLD_CFG["stages"], full=full)
 
 
 def test_pickable_configs_cover_every_config_and_row_class():

@@ -34,12 +34,11 @@ Env: OUT, TAG (json name, default denoiser_h200), DRY=1 (CPU, tiny widths: check
 blocks; default 50, DRY 3), SHAPES (comma list WxHxF, default 960x544x124), FAMILIES (comma list, default
 core_bf16,core_nvfp4,ours_exact,ours_fp8; ``ours_fp8t``: ours_fp8 loaded with ``adaln=table``, the AdaLN rows
 looked up per timestep group instead of computed from resident weights), CONFIGS (comma list of configuration names to run, default all),
-FWD_REPS (default 1), FUSED=1 (ours_fp8 also with the fused DiT blocks: ``<name>_fused``; FUSED_SAGE=1: with their
-int8_sage producer route, ``kernels.fused.SETTINGS["sage_route"]``; 0: off; ab: both in one process, the route-on
-rows named ``<name>_fused_sage``), SETTINGS_B (a JSON dict of ``kernels.fused.SETTINGS``, and of ``runtime.prologue.SETTINGS`` as
+FWD_REPS (default 1), FUSED=1 (ours_fp8 also with the fused DiT blocks: ``<name>_fused``; with ATTN=int8_sage they
+run its producer route), SETTINGS_B (a JSON dict of ``kernels.fused.SETTINGS``, and of ``runtime.prologue.SETTINGS`` as
 ``"prologue.<key>"``: every ``_fused`` row runs
 again, the same MODEL, with these settings as ``<name>_fused_b``, its errors also against ``<name>_fused``; an A/B in
-one process; unknown keys are refused, and it excludes FUSED_SAGE=ab), PROFILE (comma list of
+one process; unknown keys are refused), PROFILE (comma list of
 configuration names), HOST_PHASES (comma list of configuration names: host and GPU time at the prologue's marks,
 unprofiled, and a cProfile of the prologue's host functions, :func:`host_phases`), GAP_OPS (N: each profile also lists, for its N largest GPU idle gaps, the top-level host ops that
 started inside the gap: what the GPU waited for), DEADLINE (s since start after which no
@@ -50,7 +49,7 @@ file ``$OUT/$TAG.json`` from raw run files, see :func:`merge`; the plot too with
 ``name@960x544x124``.
 
 Run (GPU, ComfyUI and comfy-kitchen importable; benchmarks/README.md has the preparation):
-``TAG=denoiser_h200_runN FUSED_SAGE=1 FWD_REPS=3 SHAPES=960x544x124 FAMILIES=core_nvfp4,ours_fp8t ATTN=int8_sage FUSED=1
+``TAG=denoiser_h200_runN FWD_REPS=3 SHAPES=960x544x124 FAMILIES=core_nvfp4,ours_fp8t ATTN=int8_sage FUSED=1
 CONFIGS=core_nvfp4,ours_fp8t_int8_sage_fused DEADLINE=255 timeout 285 python3 benchmarks/bench_denoiser.py``;
 CPU check: ``DRY=1 OUT=/tmp/dry COMFYUI_PATH=$HOME/ComfyUI python benchmarks/bench_denoiser.py``.
 """
@@ -755,10 +754,8 @@ def run_family(family, path, lname, inputs, sd_gpu, dev):
         [f"{family}_{a}{s}" for a in ATTN for s in ("_turbo4", "")]
     if FUSED and family in ("ours_fp8", "ours_fp8t"):
         names += [n.replace(f"_{a}", f"_{a}_fused", 1) for n in list(names) for a in ATTN if f"_{a}" in n]
-        if FUSED_SAGE == "ab":
-            names += [n.replace("_fused", "_fused_sage", 1) for n in names if "_int8_sage_fused" in n]
         if SETTINGS_B:
-            names += [n.replace("_fused", "_fused_b", 1) for n in names if "_fused" in n and "_fused_sage" not in n]
+            names += [n.replace("_fused", "_fused_b", 1) for n in names if "_fused" in n]
     if CONFIGS and not any(c.split("@")[0] in names for c in CONFIGS):
         mark(f"skip family {family}: none of its configurations {names} is in CONFIGS")
         return
@@ -817,26 +814,18 @@ def run_family(family, path, lname, inputs, sd_gpu, dev):
             variants.append((f"{family}_{a}_turbo4", nattn.H3TurboAttention.execute(tm, a).args[0]))
             variants.append((f"{family}_{a}", nattn.H3TurboAttention.execute(shifted, a).args[0]))
         if FUSED and family in ("ours_fp8", "ours_fp8t"):
-            from h3_turbo.kernels import fused as fk
             from h3_turbo.runtime import fused_block
-
-            if FUSED_SAGE in ("0", "1"):
-                fk.SETTINGS["sage_route"] = FUSED_SAGE == "1"
 
             for name, vm in list(variants):
                 stem, sfx = (name[:-7], "_turbo4") if name.endswith("_turbo4") else (name, "")
                 variants.append((f"{stem}_fused{sfx}", fused_block.apply(vm, "fp8")))
-                if FUSED_SAGE == "ab" and "_int8_sage" in stem:     # the same MODEL, the producer route on
-                    variants.append((f"{stem}_fused_sage{sfx}", variants[-1][1]))
             if SETTINGS_B:      # the same MODELs again with SETTINGS_B (kernels.fused.SETTINGS) while they run
-                variants += [(n.replace("_fused", "_fused_b", 1), vm) for n, vm in list(variants)
-                             if "_fused" in n and "_fused_sage" not in n]
+                variants += [(n.replace("_fused", "_fused_b", 1), vm) for n, vm in list(variants) if "_fused" in n]
     for inp in inputs:
         for name, m in variants:
-            if FUSED_SAGE == "ab" and "_fused" in name:     # fk: imported where the fused variants are built
-                fk.SETTINGS["sage_route"] = "_fused_sage" in name
             saved = None
             if SETTINGS_B and "_fused_b" in name:
+                from h3_turbo.kernels import fused as fk
                 from h3_turbo.runtime import prologue
 
                 saved = (dict(fk.SETTINGS), dict(prologue.SETTINGS))
@@ -926,11 +915,7 @@ FWD_REPS = int(os.environ.get("FWD_REPS", 1))
 HOST_PHASES = [c for c in os.environ.get("HOST_PHASES", "").split(",") if c]   # configurations: host_phases()
 GAP_OPS = int(os.environ.get("GAP_OPS", 0))   # profiles: the host ops inside the GPU's N largest idle gaps
 FUSED = os.environ.get("FUSED") == "1"     # ours_fp8 also with the fused DiT blocks (runtime/fused_block.py)
-FUSED_SAGE = os.environ.get("FUSED_SAGE", "")   # 1 / 0: the fused blocks' int8_sage producer route on / off
-#                                                 (kernels.fused.SETTINGS); ab: both, as <name>_fused / <name>_fused_sage
 SETTINGS_B = json.loads(os.environ.get("SETTINGS_B", "") or "{}")   # kernels.fused.SETTINGS for the _fused_b rows
-if SETTINGS_B and FUSED_SAGE == "ab":
-    raise SystemExit("bench_denoiser: SETTINGS_B and FUSED_SAGE=ab are two A/Bs; run one (put sage_route into SETTINGS_B)")
 TEXT = int(os.environ.get("TEXT", 16 if DRY else 300))
 SEED = 42
 
@@ -953,7 +938,7 @@ def merge(paths, out_json):
             dst = out.setdefault(sk, {})
             for n, r in rows.items():
                 if not r.get("forward_s") or re.search(r"_fused_(b|sage)(_|$)", n):
-                    continue    # an A/B row (SETTINGS_B, FUSED_SAGE=ab) stays in its run's file
+                    continue    # an A/B row (SETTINGS_B; FUSED_SAGE=ab of older runs) stays in its run's file
                 row = {k: r.get(k) for k in RESULT_KEYS}
                 row.update({k: r.get(k) for k in ("first_s", "first_call_overhead_s", "turbo4_forward_s",
                                                    "sampler_overhead_s", "to_gpu_s", "reference_forward",

@@ -24,11 +24,8 @@ Three parts, each saved to ``$OUT/$TAG.json`` after every step (default TAG benc
    compute ``exact`` (the reference), each with the ``exact`` attention backend (cuDNN SDPA); Turbo off and on
    (a stand-in for the Turbo branch with the official ranks, qkv 384 / others 128, exposing the branch's fused
    interface: ``h3turbo_lora_forward`` for the unfused block, ``h3turbo_lora_operands`` for the fused one).
-   Each fused row sets the ``kernels.fused.SETTINGS`` it compares: ``fused_fp8`` with core's copy of v
-   (``v_copy`` on), ``fused_fp8_no_v_copy`` attention reading v from the qkv buffer (off, the default); on CUDA
-   also core's block and the fused block with the ``int8_sage`` override, through core's attention call
-   (``fused_fp8_int8_sage``: ``sage_route`` off) and with the producer route (``fused_fp8_int8_sage_producer``:
-   on, the default). Reports ms/block (median of REPS), the torch-profiler categories (GEMM, attention, the
+   Rows: ``unfused_fp8``, ``fused_fp8``; on CUDA also core's block and the fused block with the ``int8_sage``
+   override (``unfused_fp8_int8_sage``, ``fused_fp8_int8_sage``: the producer route). Reports ms/block (median of REPS), the torch-profiler categories (GEMM, attention, the
    harness's own input copy ``memcpy``, everything else = non-GEMM non-attention ms/block), relative L2 of the output and of the block's update (out - x) against ``exact``;
    with FP8_ATTN=1 (default) and the frontend importable also the fused block with ``cudnn_fp8`` attention.
 3. ``attention``: ``cudnn_fp8`` (through its override: amax + casts + kernel + dequantize; and the e4m3 output
@@ -215,15 +212,15 @@ def kernels_part():
             out = {"ms_unfused": t_un, "ms_fused": t_fu, "speedup": t_un / t_fu, "bytes_min": bytes_,
                    "gbps_fused": bytes_ / t_fu / 1e6, **acc_fp8(y8, sy, h64),
                    "unfused_rel_l2_vs_fp64": rel(u8[sample].float() * su[sample], h64)}
-            nw0 = fk.SETTINGS["norm_warps"]
-            for nw in ((4, 8, 16, 32) if CUDA else ()):   # launch-setting sweep (the default is norm_warps)
-                fk.SETTINGS["norm_warps"] = nw
+            nw0 = fk.NORM_WARPS
+            for nw in ((4, 8, 16, 32) if CUDA else ()):   # launch-constant sweep (the default is fk.NORM_WARPS)
+                fk.NORM_WARPS = nw
                 try:
                     out[f"ms_fused_warps{nw}"] = bench(lambda: fk.norm_mod(x, w, 1e-5, sh, sc, rows))
                 except Exception as e:  # noqa: BLE001
                     out[f"ms_fused_warps{nw}"] = f"{type(e).__name__}: {e}"[:200]
                 finally:
-                    fk.SETTINGS["norm_warps"] = nw0
+                    fk.NORM_WARPS = nw0
             return out
 
         def k_res_norm_mod():
@@ -256,19 +253,9 @@ def kernels_part():
             t_un = bench(lambda: tk.quant_rows_fp8(act(h)))
             out = {"ms_unfused": t_un, "bytes_min": bytes_}
             ref64 = fk.swiglu_ref(h[sample])
-            before = fk.SETTINGS["swiglu_one_pass"]
-            for one in (False, True):
-                fk.SETTINGS["swiglu_one_pass"] = one
-                try:
-                    t = bench(lambda: fk.swiglu(h))
-                    y8, sy = fk.swiglu(h)
-                finally:
-                    fk.SETTINGS["swiglu_one_pass"] = before
-                tag = "one_pass" if one else "two_pass"
-                out[f"ms_fused_{tag}"] = t
-                out[f"speedup_{tag}"] = t_un / t
-                out[f"gbps_{tag}"] = bytes_ / t / 1e6
-                out[f"acc_{tag}"] = acc_fp8(y8, sy, ref64)
+            t = bench(lambda: fk.swiglu(h))
+            y8, sy = fk.swiglu(h)
+            out.update(ms_fused=t, speedup=t_un / t, gbps_fused=bytes_ / t / 1e6, **acc_fp8(y8, sy, ref64))
             return out
 
         def k_gate_res():
@@ -314,7 +301,7 @@ def kernels_part():
             qkv0, table, qw, kw = rope_problem()
             bufs = [qkv0.clone(), qkv0.clone()]
 
-            def unfused(b=bufs[0]):     # core's Attention: kitchen RMSNorm+RoPE in place, then v.clone()
+            def unfused(b=bufs[0]):     # core 0.33's Attention: kitchen RMSNorm+RoPE in place, then v.clone()
                 q = b[:, :inner].view(1, s, HEADS, HD)
                 k = b[:, inner:2 * inner].view(1, s, HEADS, HD)
                 comfy.quant_ops.ck.rms_rope_split_half_(q, k, table, qw, kw, epsilon=1e-6, rot_dim=96)
@@ -322,15 +309,15 @@ def kernels_part():
 
             bytes_ = s * inner * 2 * (2 * 2 + 2)        # q, k read + written, v read + written
             out = {"ms_unfused": bench(unfused), "bytes_min": bytes_}
-            before = dict(fk.SETTINGS)
+            before = (fk.ROPE_ROWS, fk.ROPE_WARPS)
             best = None
             for rows_, warps in ((8, 4), (16, 4), (32, 4), (16, 8), (32, 8), (8, 2)):
-                fk.SETTINGS.update(rope_rows=rows_, rope_warps=warps)
+                fk.ROPE_ROWS, fk.ROPE_WARPS = rows_, warps
                 t = bench(lambda: fk.qk_norm_rope(bufs[1], HEADS, HD, table, qw, kw, 1e-6))
                 out[f"ms_fused_rows{rows_}_warps{warps}"] = t
                 if best is None or t < best[0]:
                     best = (t, rows_, warps)
-            fk.SETTINGS.update(before)
+            fk.ROPE_ROWS, fk.ROPE_WARPS = before
             out.update(ms_fused=best[0], best_rows=best[1], best_warps=best[2], speedup=out["ms_unfused"] / best[0],
                        gbps_fused=bytes_ / best[0] / 1e6)
             a, b = qkv0.clone(), qkv0.clone()
@@ -349,7 +336,7 @@ def kernels_part():
             return out
 
         def k_sage_chain():
-            """qkv GEMM output -> out_proj's e4m3 input with int8_sage attention: unfused (qk_norm_rope + v copy,
+            """qkv GEMM output -> out_proj's e4m3 input with int8_sage attention: unfused (qk_norm_rope,
             the backend's Q pre-kernel, K/V statistics and quantization, kernel, bf16 output, quant_rows) vs fused
             (qk_norm_rope_sage, K/V quantization from its sums, kernel with Q_ROW and e4m3 output)."""
             from h3_turbo.kernels.attention import int8_kernels as K
@@ -393,33 +380,24 @@ def kernels_part():
             out["ms_chain_unfused"] = bench(unfused_chain)
             out["ms_chain_fused"] = bench(fused_chain)
             out["chain_speedup"] = out["ms_chain_unfused"] / out["ms_chain_fused"]
-            before = dict(fk.SETTINGS)
-            for rows_, warps, vrows, st in (((8, 4, 8, "pass"), (8, 4, 8, "torch"), (16, 4, 16, "pass"),
-                                             (32, 4, 32, "kernel"))
-                                            if CUDA else ((8, 4, 8, "pass"), (8, 4, 8, "torch"))):
-                fk.SETTINGS.update(rope_rows=rows_, rope_warps=warps, rope_v_rows=vrows, sage_stats=st)
+            before = (fk.ROPE_ROWS, fk.ROPE_WARPS)
+            for rows_, warps in (((8, 4), (16, 4)) if CUDA else ((8, 4),)):
+                fk.ROPE_ROWS, fk.ROPE_WARPS = rows_, warps
                 try:
-                    tag = f"rows{rows_}_warps{warps}_v{vrows}_{st}"
+                    tag = f"rows{rows_}_warps{warps}"
                     out[f"ms_chain_fused_{tag}"] = bench(fused_chain)
                     out[f"ms_prep_fused_{tag}"] = bench(fused_prep)
                     out[f"ms_qk_norm_rope_sage_{tag}"] = bench(lambda: fk.qk_norm_rope_sage(b1, HEADS, HD, table, qw,
                                                                                             kw, 1e-6))
-                    if st == "pass":       # the statistics pass alone (k sums / v maxima over 16 row ranges)
-                        kc, vc = b1[:, inner:2 * inner].view(s, HEADS, HD), b1[:, 2 * inner:].view(s, HEADS, HD)
-                        out[f"ms_kv_stats_pass_{tag}"] = bench(lambda: K.kv_partial_stats(kc, vc))
-                        def torch_stats():      # what the "torch" mode runs
-                            vmin, vmax = torch.aminmax(vc, dim=0)
-                            return kc.sum(dim=0, dtype=torch.float32), torch.maximum(vmax.float(), -vmin.float())
-
-                        out[f"ms_kv_stats_torch_{tag}"] = bench(torch_stats)
-                    if st == "torch":      # the launch alone (no reductions): q8 / qs written, k rotated
-                        b2 = qkv0.clone()
-                        q8b = torch.empty(s, HEADS, HD, device=DEV, dtype=torch.int8)
-                        qsb = torch.empty(s, HEADS, device=DEV)
-                        out[f"ms_qk_launch_only_{tag}"] = bench(lambda: fk._qk_rope_launch(
-                            b2, HEADS, HD, table, qw, kw, 1e-6, b2, (q8b, qsb, b2, b2), False))
+                    b2 = qkv0.clone()      # the launch alone (no statistics): q8 / qs written, k rotated
+                    q8b = torch.empty(s, HEADS, HD, device=DEV, dtype=torch.int8)
+                    qsb = torch.empty(s, HEADS, device=DEV)
+                    out[f"ms_qk_launch_only_{tag}"] = bench(lambda: fk._qk_rope_launch(
+                        b2, HEADS, HD, table, qw, kw, 1e-6, (q8b, qsb)))
                 finally:
-                    fk.SETTINGS.update(before)
+                    fk.ROPE_ROWS, fk.ROPE_WARPS = before
+            kc, vc = b1[:, inner:2 * inner].view(s, HEADS, HD), b1[:, 2 * inner:].view(s, HEADS, HD)
+            out["ms_kv_stats_pass"] = bench(lambda: K.kv_partial_stats(kc, vc))   # the statistics pass alone
             out["ms_qk_norm_rope_sage"] = bench(lambda: fk.qk_norm_rope_sage(b1, HEADS, HD, table, qw, kw, 1e-6))
             out["ms_qk_norm_rope"] = bench(lambda: fk.qk_norm_rope(b0, HEADS, HD, table, qw, kw, 1e-6))
             # the kernel alone, per-block vs per-row Q scales (the backend's pre-kernels in both)
@@ -634,26 +612,13 @@ def block_part():
                 ref = core_run(to_exact)
                 set_path(blk, "fp8")
                 out = {}
-                def fused_with(to, **settings):    # the fused block under explicit kernels.fused.SETTINGS
-                    def run_():
-                        before = {k: fk.SETTINGS[k] for k in settings}
-                        fk.SETTINGS.update(settings)
-                        try:
-                            return fused_run(to)
-                        finally:
-                            fk.SETTINGS.update(before)
-                    return run_
-
                 runs = [("unfused_fp8", lambda: core_run(to_exact)),
-                        ("fused_fp8", fused_with(to_exact, v_copy=True)),
-                        ("fused_fp8_no_v_copy", fused_with(to_exact, v_copy=False))]
-                if CUDA:     # int8_sage: core's block; the fused block with core's attention call (the default) and
-                    # with the producer route (kernels.fused.SETTINGS["sage_route"]; the default)
+                        ("fused_fp8", lambda: fused_run(to_exact))]
+                if CUDA:     # int8_sage: core's block; the fused block (its producer route)
                     i8 = int8_sage.int8_override()
                     to8 = {"optimized_attention_override": i8}
                     runs += [("unfused_fp8_int8_sage", lambda: core_run(to8)),
-                             ("fused_fp8_int8_sage", fused_with(to8, sage_route=False)),
-                             ("fused_fp8_int8_sage_producer", fused_with(to8, sage_route=True))]
+                             ("fused_fp8_int8_sage", lambda: fused_run(to8))]
                 if FP8_ATTN and cudnn_fp8.frontend() is not None and CUDA:
                     c8 = cudnn_fp8.cudnn_fp8_override()
                     runs += [("unfused_fp8_cudnn_fp8", lambda: core_run({"optimized_attention_override": c8})),
@@ -745,7 +710,7 @@ def main():
     # the short table last (the device reply carries the tail)
     for k, v in RES["kernels"].items():
         print(f"{k:28s} unfused {v.get('ms_unfused', float('nan')):8.3f} ms  fused "
-              f"{v.get('ms_fused', v.get('ms_fused_two_pass', float('nan'))):8.3f} ms")
+              f"{v.get('ms_fused', float('nan')):8.3f} ms")
     for k, v in RES["block"].items():
         if isinstance(v, dict):
             for n, r in v.items():

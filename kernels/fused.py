@@ -25,8 +25,8 @@ already hold, instead of writing bf16 and quantizing it in a separate pass:
   :func:`qk_norm_rope_ref`), replacing its kernel plus the copy of v.
 - :func:`qk_norm_rope_sage` (f): (e) producing the ``int8_sage`` backend's inputs instead of q in place and the v
   copy: q as INT8 per (row, head) with ``max|q_row| / 127`` scales, k rotated in place with its column sums, v's
-  column max |v| (eager reference :func:`qk_norm_rope_sage_ref`); the fused block's producer route
-  (``SETTINGS["sage_route"]``, on by default; measurements: docs/kernels.md).
+  column max |v| (eager reference :func:`qk_norm_rope_sage_ref`); the fused block's producer route when the MODEL's
+  attention is the pack's ``int8_sage`` (measurements: docs/kernels.md).
 - :func:`fp8_gemm`: rowwise ``torch._scaled_mm`` on an already quantized input (the ``fp8`` path's GEMM without
   its quantization pass); :func:`fp8_gemm_ref` its fp32 emulation.
 
@@ -58,51 +58,23 @@ E4M3 = torch.float8_e4m3fn
 FP8_MAX = 448.0
 _ACT_DTYPES = (torch.bfloat16, torch.float16)
 
-#: launch settings (benchmarks/bench_fused.py sweeps them on the GPU); ``None`` entries are derived per call
-SETTINGS = {
-    "norm_warps": 4,         # rows of K <= 8192 elements held in registers by one program (H200: 4 < 8 < 16)
-    "swiglu_block": 2048,    # chunk of the two-pass SwiGLU (re-reads the row from L2 for the quantization)
-    "swiglu_one_pass": True,   # the whole row in registers (BLOCK = next_pow2(F)), one read (H200: 0.35 vs 0.58 ms)
-    "swiglu_warps": 8,
-    "rope_rows": 8,          # rows per qk_norm_rope program (it loops over the heads; H200: 8 < 16, 32)
-    "rope_warps": 4,
-    # qk_norm_rope's head loop with head h + 1's loads issued before head h is computed (software pipelining by
-    # hand: the same arithmetic, so the same bits). H200, 19 077 rows: 0.392 vs 0.419 ms (sage_prep run 3)
-    "rope_prefetch": True,
-    # the fused block's int8_sage producer route (qk_norm_rope_sage + sage_attention_prequantized; docs/kernels.md,
-    # "int8_sage fused into the producer"): H200, 19 584 rows, "torch" stats: 13.11 vs 13.54 ms per attention chain
-    "sage_route": True,
-    # the fused block's v for attention: a contiguous copy (core's v.clone()) or the qkv buffer's strided v columns
-    # (like q and k): H200 block with cuDNN attention 29.99 vs 30.75 ms, the same output error
-    "v_copy": False,
-    # qk_norm_rope_sage's k sums / v maxima: "pass" (one Triton pass over the k / v columns after the launch, partial
-    # sums over 16 row ranges that int8_sage's K/V pre-kernel reduces: no torch op on the route), "torch" (torch
-    # reductions after the launch) or "kernel" (partials in the launch; H200: 1.00 vs 0.63 ms for "torch", its head
-    # loop gets a cross-warp step)
-    "sage_stats": "pass",
-    "sage_stats_parts": 16,
-    # those partials reduced once per head by a small launch before quantize_kv (True) instead of by each of its
-    # key-block programs (False); the same bits (docs/kernels.md, "The statistics pass")
-    "sage_stats_once": True,
-    # the route's attention kernel in Gluon (kernels/attention/int8_gluon.py: explicitly asynchronous wgmma, the same
-    # output bits as the Triton kernel; docs/attention.md): "auto" (the default: where it can run, i.e. Hopper with a
-    # Triton that has Gluon's Hopper module; elsewhere the Triton kernel, logged once at INFO), True (the same, a
-    # WARNING where it cannot run) or False (the Triton kernel). H200, 960x544x124 forward: 1.361 s with it vs 1.386 s
-    "sage_gluon": "auto",
-    # from this many tokens on, the Gluon kernel's warp-specialized form (two consumer warpgroups of 64 query rows in
-    # ping-pong, a TMA warp, this many K/V slots; H200 with the route's e4m3 output: 0.978x / 0.962x the Triton
-    # kernel's time at 19 584 / 37 632 tokens, the same bits; slower on short sequences, docs/attention.md)
-    "sage_gluon_ws_tokens": 16384,
-    "sage_gluon_ws_stages": 2,
-    "rope_v_rows": 8,        # rows per v program of qk_norm_rope_sage with "kernel" stats (its column max |v|; a
-                             # multiple of rope_rows; H200: 8 < 64 < 256, a longer loop per program is latency-bound)
-    "gate_block": 2048,
-    "gate_warps": 4,
-    # a fused block's final gated residual (x += y * gate_mlp) left to the next fused block's first producer
-    # (norm_mod(residual=...): the same arithmetic, the same bits; one pass over the stream less per block boundary;
-    # runtime/fused_block.py, docs/kernels.md)
-    "cross_block_residual": True,
-}
+#: launch constants of the kernels below: the fastest of the settings benchmarks/bench_fused.py swept on an H200
+#: (docs/kernels.md, "Fused fp8 DiT block")
+NORM_WARPS = 4               # norm_mod: one row per program, held in registers
+SWIGLU_WARPS = 8             # swiglu: one row per program, held in registers
+ROPE_ROWS = 8                # qk_norm_rope(_sage): rows per program (the program loops over the heads)
+ROPE_WARPS = 4
+GATE_BLOCK = 2048            # gate_residual_: columns per program
+GATE_WARPS = 4
+SAGE_STATS_PARTS = 16        # row ranges of qk_norm_rope_sage's K/V statistics (int8_kernels.kv_partial_stats)
+GLUON_WS_TOKENS = 16384      # from this many tokens on, the Gluon kernel's warp-specialized form (docs/attention.md)
+GLUON_WS_STAGES = 2          # its K/V slots
+
+#: the fused route's attention kernel in Gluon (kernels/attention/int8_gluon.py, the same output bits as the Triton
+#: kernel; docs/attention.md): ``"auto"`` (where it can run, i.e. Hopper with a Triton that has Gluon's Hopper module;
+#: elsewhere the Triton kernel, logged once at INFO), ``True`` (the same, a WARNING where it cannot run) or ``False``
+#: (the Triton kernel)
+SETTINGS = {"sage_gluon": "auto"}
 MAX_ROW = 16384              # widest row norm_mod / gate_residual_ keep in registers (H3: 5376)
 
 try:
@@ -221,38 +193,20 @@ if triton is not None:
         return g / (1.0 + tl.exp(-g)) * u
 
     @triton.jit
-    def _swiglu_kernel(h_ptr, y_ptr, s_ptr, F, stride_h, stride_y,
-                       ONE_PASS: tl.constexpr, BLOCK: tl.constexpr, INTERP: tl.constexpr):
-        """One row r: a = silu(h[r, :F]) * h[r, F:2F] in fp32; y[r] = e4m3(a * 448 / amax), s[r] = amax / 448.
-        ONE_PASS: the row in registers (BLOCK >= F); else two passes in BLOCK chunks (amax, then quantize)."""
+    def _swiglu_kernel(h_ptr, y_ptr, s_ptr, F, stride_h, stride_y, BLOCK: tl.constexpr, INTERP: tl.constexpr):
+        """One row r, held in registers (BLOCK >= F): a = silu(h[r, :F]) * h[r, F:2F] in fp32;
+        y[r] = e4m3(a * 448 / amax), s[r] = amax / 448."""
         row = tl.program_id(0).to(tl.int64)
         offs = tl.arange(0, BLOCK)
         base = h_ptr + row * stride_h
-        if ONE_PASS:
-            m = offs < F
-            g = tl.load(base + offs, mask=m, other=0.0).to(tl.float32)
-            u = tl.load(base + F + offs, mask=m, other=0.0).to(tl.float32)
-            act = _silu_mul(g, u)
-            a = tl.max(tl.abs(act), axis=0)
-            a = tl.where(a > 0, a, 1.0)
-            q = tl.minimum(tl.maximum(act * (448.0 / a), -448.0), 448.0)
-            tl.store(y_ptr + row * stride_y + offs, _e4m3(q, y_ptr.dtype.element_ty, INTERP), mask=m)
-        else:
-            amax = tl.zeros((BLOCK,), dtype=tl.float32)
-            for k0 in range(0, F, BLOCK):
-                m = (k0 + offs) < F
-                g = tl.load(base + k0 + offs, mask=m, other=0.0).to(tl.float32)
-                u = tl.load(base + F + k0 + offs, mask=m, other=0.0).to(tl.float32)
-                amax = tl.maximum(amax, tl.abs(_silu_mul(g, u)))
-            a = tl.max(amax, axis=0)
-            a = tl.where(a > 0, a, 1.0)
-            inv = 448.0 / a
-            for k0 in range(0, F, BLOCK):
-                m = (k0 + offs) < F
-                g = tl.load(base + k0 + offs, mask=m, other=0.0).to(tl.float32)
-                u = tl.load(base + F + k0 + offs, mask=m, other=0.0).to(tl.float32)
-                q = tl.minimum(tl.maximum(_silu_mul(g, u) * inv, -448.0), 448.0)
-                tl.store(y_ptr + row * stride_y + k0 + offs, _e4m3(q, y_ptr.dtype.element_ty, INTERP), mask=m)
+        m = offs < F
+        g = tl.load(base + offs, mask=m, other=0.0).to(tl.float32)
+        u = tl.load(base + F + offs, mask=m, other=0.0).to(tl.float32)
+        act = _silu_mul(g, u)
+        a = tl.max(tl.abs(act), axis=0)
+        a = tl.where(a > 0, a, 1.0)
+        q = tl.minimum(tl.maximum(act * (448.0 / a), -448.0), 448.0)
+        tl.store(y_ptr + row * stride_y + offs, _e4m3(q, y_ptr.dtype.element_ty, INTERP), mask=m)
         tl.store(s_ptr + row, a / 448.0)
 
     @triton.jit
@@ -270,24 +224,18 @@ if triton is not None:
         tl.store(x_ptr + row * stride_x + offs, _round(x + o * g, x_ptr.dtype.element_ty, INTERP), mask=m)
 
     @triton.jit
-    def _qk_rope_kernel(x_ptr, v_ptr, w_ptr, f_ptr, q8_ptr, qs_ptr, ks_ptr, va_ptr, S, H, eps, stride_x, stride_fs,
-                        stride_fi, stride_fr, stride_fc,
-                        D: tl.constexpr, R2: tl.constexpr, BS: tl.constexpr, SAGE: tl.constexpr,
-                        VR: tl.constexpr, STATS: tl.constexpr, HP: tl.constexpr, INTERP: tl.constexpr,
-                        PREFETCH: tl.constexpr = False, ROTATE: tl.constexpr = False):
+    def _qk_rope_kernel(x_ptr, w_ptr, f_ptr, q8_ptr, qs_ptr, S, H, eps, stride_x, stride_fs, stride_fi, stride_fr,
+                        stride_fc, D: tl.constexpr, R2: tl.constexpr, BS: tl.constexpr, SAGE: tl.constexpr,
+                        HP: tl.constexpr, INTERP: tl.constexpr, ROTATE: tl.constexpr = False):
         """Rows [BS * pid0, +BS); pid1 = 0 / 1: every q / k head normed (weights w_ptr [2, D]: q's, k's) and rotated in
-        place; pid1 = 2: every v head copied to v_ptr [S, H, D]. Column c of a head is combined with its partner
-        p(c) = c + R2 (c < R2), c - R2 (R2 <= c < 2 R2), c (pass-through): out_c = A_c n_c + B_c n_p(c) with
-        (A, B) = (f00, f01), (f11, f10), (1, 0); the table's A / B rows are read once for all H heads.
-        SAGE (int8_sage's inputs instead): q -> int8 per (row, head) into q8_ptr [S, H, D] with max|row| / 127 into
-        qs_ptr [S, H] (collected over the head loop in a [BS, HP >= H] tile and stored once after it, so no layout
-        conversion sits in the loop; q is not written back); k rotated in place as above and its per-program column sums (of the
-        rounded values) into ks_ptr [programs, H * D]; v not copied: the first cdiv(S, BS * VR) v programs take
-        BS * VR rows each and write their column max |v| (in x's dtype: a max is exact) into va_ptr
-        [cdiv(S, BS * VR), H * D] (no atomics: the result does not depend on the order). Without STATS neither the
-        k sums nor the v maxima are taken (the caller reduces k and v itself). ROTATE (with SAGE): q times the
-        unnormalised Hadamard matrix H_D before its quantization (int8_kernels._fwht; k is rotated by int8_sage's
-        K pre-kernel)."""
+        place; v is not touched. Column c of a head is combined with its partner p(c) = c + R2 (c < R2), c - R2
+        (R2 <= c < 2 R2), c (pass-through): out_c = A_c n_c + B_c n_p(c) with (A, B) = (f00, f01), (f11, f10), (1, 0);
+        the table's A / B rows are read once for all H heads, and head h + 1's loads are issued before head h is
+        computed (the same arithmetic). SAGE (int8_sage's inputs instead): q -> int8 per (row, head) into q8_ptr
+        [S, H, D] with max|row| / 127 into qs_ptr [S, H] (collected over the head loop in a [BS, HP >= H] tile and
+        stored once after it, so no layout conversion sits in the loop; q is not written back); k rotated in place as
+        above. ROTATE (with SAGE): q times the unnormalised Hadamard matrix H_D before its quantization
+        (int8_kernels._fwht; k is rotated by int8_sage's K pre-kernel)."""
         part = tl.program_id(1)
         rows = tl.program_id(0) * BS + tl.arange(0, BS)
         rm = rows < S
@@ -295,76 +243,46 @@ if triton is not None:
         cols = tl.arange(0, D)
         dt = x_ptr.dtype.element_ty
         row_base = x_ptr + r64[:, None] * stride_x
-        if part == 2:
-            if SAGE:
-                pv = tl.program_id(0)
-                if pv * (BS * VR) < S:
-                    for h in range(0, H):
-                        acc = tl.zeros([D], dtype=tl.float32)
-                        for j in range(0, VR):
-                            rr = (pv * VR + j) * BS + tl.arange(0, BS)
-                            t = tl.load(x_ptr + rr.to(tl.int64)[:, None] * stride_x + (2 * H + h) * D + cols[None, :],
-                                        mask=(rr < S)[:, None], other=0.0)
-                            acc = tl.maximum(acc, tl.max(tl.abs(t.to(tl.float32)), axis=0))
-                        tl.store(va_ptr + pv.to(tl.int64) * (H * D) + h * D + cols, acc.to(dt))   # exact: a max
+        lo = cols < R2
+        rot = cols < 2 * R2
+        pc = tl.where(lo, cols + R2, tl.where(rot, cols - R2, cols))
+        pair = tl.where(lo, cols, cols - R2)
+        a_off = tl.where(lo, 0, stride_fr + stride_fc)
+        b_off = tl.where(lo, stride_fc, stride_fr)
+        fb = f_ptr + r64[:, None] * stride_fs + pair[None, :] * stride_fi
+        fm = rm[:, None] & rot[None, :]
+        ca = tl.load(fb + a_off[None, :], mask=fm, other=1.0).to(tl.float32)
+        cb = tl.load(fb + b_off[None, :], mask=fm, other=0.0).to(tl.float32)
+        w = tl.load(w_ptr + part * D + cols).to(tl.float32)
+        wp = tl.load(w_ptr + part * D + pc).to(tl.float32)
+        hcols = tl.arange(0, HP)
+        qsc = tl.zeros([BS, HP], dtype=tl.float32)
+        base = row_base + (part * H) * D
+        x_n = tl.load(base + cols[None, :], mask=rm[:, None], other=0.0)
+        xp_n = tl.load(base + pc[None, :], mask=rm[:, None], other=0.0)
+        for h in range(0, H):
+            base = row_base + (part * H + h) * D
+            x = x_n.to(tl.float32)          # head h + 1's loads in flight while head h is computed and stored
+            xp = xp_n.to(tl.float32)
+            nm = rm[:, None] & (h + 1 < H)
+            x_n = tl.load(base + D + cols[None, :], mask=nm, other=0.0)
+            xp_n = tl.load(base + D + pc[None, :], mask=nm, other=0.0)
+            inv = 1.0 / tl.sqrt(tl.sum(x * x, axis=1) / D + eps)
+            n = _round(x * inv[:, None] * w[None, :], dt, INTERP).to(tl.float32)
+            npart = _round(xp * inv[:, None] * wp[None, :], dt, INTERP).to(tl.float32)
+            y = _round(ca * n + cb * npart, dt, INTERP)
+            if SAGE and part == 0:
+                yf = y.to(tl.float32)
+                if ROTATE:
+                    yf = _fwht(yf, BS, D)
+                a = tl.max(tl.abs(yf), axis=1)
+                q8 = _round_i8(yf * tl.where(a > 0, 127.0 / tl.where(a > 0, a, 1.0), 0.0)[:, None], 127.0)
+                tl.store(q8_ptr + r64[:, None] * (H * D) + h * D + cols[None, :], q8, mask=rm[:, None])
+                qsc = tl.where(hcols[None, :] == h, (a / 127.0)[:, None], qsc)
             else:
-                for h in range(0, H):
-                    t = tl.load(row_base + (2 * H + h) * D + cols[None, :], mask=rm[:, None], other=0.0)
-                    tl.store(v_ptr + r64[:, None] * (H * D) + h * D + cols[None, :], t, mask=rm[:, None])
-        else:
-            lo = cols < R2
-            rot = cols < 2 * R2
-            pc = tl.where(lo, cols + R2, tl.where(rot, cols - R2, cols))
-            pair = tl.where(lo, cols, cols - R2)
-            a_off = tl.where(lo, 0, stride_fr + stride_fc)
-            b_off = tl.where(lo, stride_fc, stride_fr)
-            fb = f_ptr + r64[:, None] * stride_fs + pair[None, :] * stride_fi
-            fm = rm[:, None] & rot[None, :]
-            ca = tl.load(fb + a_off[None, :], mask=fm, other=1.0).to(tl.float32)
-            cb = tl.load(fb + b_off[None, :], mask=fm, other=0.0).to(tl.float32)
-            w = tl.load(w_ptr + part * D + cols).to(tl.float32)
-            wp = tl.load(w_ptr + part * D + pc).to(tl.float32)
-            hcols = tl.arange(0, HP)
-            qsc = tl.zeros([BS, HP], dtype=tl.float32)
-            if PREFETCH:
-                base = row_base + (part * H) * D
-                x_n = tl.load(base + cols[None, :], mask=rm[:, None], other=0.0)
-                xp_n = tl.load(base + pc[None, :], mask=rm[:, None], other=0.0)
-            for h in range(0, H):
-                base = row_base + (part * H + h) * D
-                if PREFETCH:    # head h + 1's loads in flight while head h is computed and stored
-                    x = x_n.to(tl.float32)
-                    xp = xp_n.to(tl.float32)
-                    nm = rm[:, None] & (h + 1 < H)
-                    x_n = tl.load(base + D + cols[None, :], mask=nm, other=0.0)
-                    xp_n = tl.load(base + D + pc[None, :], mask=nm, other=0.0)
-                else:
-                    x = tl.load(base + cols[None, :], mask=rm[:, None], other=0.0).to(tl.float32)
-                    xp = tl.load(base + pc[None, :], mask=rm[:, None], other=0.0).to(tl.float32)
-                inv = 1.0 / tl.sqrt(tl.sum(x * x, axis=1) / D + eps)
-                n = _round(x * inv[:, None] * w[None, :], dt, INTERP).to(tl.float32)
-                npart = _round(xp * inv[:, None] * wp[None, :], dt, INTERP).to(tl.float32)
-                y = _round(ca * n + cb * npart, dt, INTERP)
-                if SAGE:
-                    if part == 0:
-                        yf = y.to(tl.float32)
-                        if ROTATE:
-                            yf = _fwht(yf, BS, D)
-                        a = tl.max(tl.abs(yf), axis=1)
-                        q8 = _round_i8(yf * tl.where(a > 0, 127.0 / tl.where(a > 0, a, 1.0), 0.0)[:, None], 127.0)
-                        tl.store(q8_ptr + r64[:, None] * (H * D) + h * D + cols[None, :], q8, mask=rm[:, None])
-                        qsc = tl.where(hcols[None, :] == h, (a / 127.0)[:, None], qsc)
-                    else:
-                        tl.store(base + cols[None, :], y, mask=rm[:, None])
-                        if STATS:
-                            tl.store(ks_ptr + tl.program_id(0).to(tl.int64) * (H * D) + h * D + cols,
-                                     tl.sum(tl.where(rm[:, None], y.to(tl.float32), 0.0), axis=0))
-                else:
-                    tl.store(base + cols[None, :], y, mask=rm[:, None])
-            if SAGE:
-                if part == 0:
-                    tl.store(qs_ptr + r64[:, None] * H + hcols[None, :], qsc, mask=rm[:, None] & (hcols[None, :] < H))
-
+                tl.store(base + cols[None, :], y, mask=rm[:, None])
+        if SAGE and part == 0:
+            tl.store(qs_ptr + r64[:, None] * H + hcols[None, :], qsc, mask=rm[:, None] & (hcols[None, :] < H))
 
 def _need_triton(where: str, *ts: torch.Tensor) -> None:
     if triton is None:
@@ -434,7 +352,7 @@ def norm_mod(x: torch.Tensor, weight: torch.Tensor, eps: float, shift: torch.Ten
                                x.stride(0), other.stride(0), gate.stride(0), shift.stride(0), scale.stride(0),
                                y.stride(0), HAS_RES=residual is not None, FP8_OUT=out == "fp8",
                                BLOCK=triton.next_power_of_2(k), INTERP=INTERPRET,
-                               num_warps=4 if INTERPRET else SETTINGS["norm_warps"])
+                               num_warps=4 if INTERPRET else NORM_WARPS)
     return (y, s) if out == "fp8" else y
 
 
@@ -451,12 +369,8 @@ def swiglu(h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     y = torch.empty((m, f), device=h.device, dtype=E4M3)
     s = torch.empty((m, 1), device=h.device, dtype=torch.float32)
     if m:
-        one = bool(SETTINGS["swiglu_one_pass"])
-        block = triton.next_power_of_2(f) if one else min(int(SETTINGS["swiglu_block"]), triton.next_power_of_2(f))
-        if INTERPRET and not one:
-            block = min(block, 64)   # exercise the chunk loop on the small test shapes
-        _swiglu_kernel[(m,)](h, y, s, f, h.stride(0), y.stride(0), ONE_PASS=one, BLOCK=block, INTERP=INTERPRET,
-                             num_warps=4 if INTERPRET else SETTINGS["swiglu_warps"])
+        _swiglu_kernel[(m,)](h, y, s, f, h.stride(0), y.stride(0), BLOCK=triton.next_power_of_2(f), INTERP=INTERPRET,
+                             num_warps=4 if INTERPRET else SWIGLU_WARPS)
     return y, s
 
 
@@ -476,10 +390,10 @@ def gate_residual_(x: torch.Tensor, other: torch.Tensor, gate: torch.Tensor, row
     if rows.dtype != torch.int32 or rows.shape != (m,):
         raise ValueError(f"{where}: rows must be int32 [{m}], got {rows.dtype} {tuple(rows.shape)}")
     if m:
-        block = 64 if INTERPRET else min(int(SETTINGS["gate_block"]), triton.next_power_of_2(k))
+        block = 64 if INTERPRET else min(GATE_BLOCK, triton.next_power_of_2(k))
         _gate_res_kernel[(m, triton.cdiv(k, block))](x, other, gate, rows, k, x.stride(0), other.stride(0),
                                                      gate.stride(0), BLOCK=block, INTERP=INTERPRET,
-                                                     num_warps=4 if INTERPRET else SETTINGS["gate_warps"])
+                                                     num_warps=4 if INTERPRET else GATE_WARPS)
     return x
 
 
@@ -506,24 +420,20 @@ def rope_table_problem(s: int, head_dim: int, freqs: torch.Tensor) -> str | None
 
 
 def qk_norm_rope(qkv: torch.Tensor, heads: int, head_dim: int, freqs: torch.Tensor, q_weight: torch.Tensor,
-                 k_weight: torch.Tensor, eps: float, copy_v: bool = True) -> torch.Tensor:
-    """Core's q/k RMSNorm + partial split-half RoPE in place on ``qkv`` and a contiguous copy of v (kernel (e)).
+                 k_weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Core's q/k RMSNorm + partial split-half RoPE in place on ``qkv`` (kernel (e)).
 
     qkv [S, 3 * heads * head_dim] bf16/fp16 ([q | k | v] columns, unit column stride, the qkv GEMM output);
-    freqs [1, S, 1, R/2, 2, 2] (:func:`rope_table_problem`); q_weight / k_weight [head_dim]. Returns v
-    [S, heads, head_dim] contiguous (core's ``v.clone()``), or with ``copy_v=False`` the v columns of qkv as a
-    strided [S, heads, head_dim] view (nothing copied); the q and k columns of qkv are overwritten. Formula:
-    module docstring; eager reference :func:`qk_norm_rope_ref`. ValueError naming the argument on bad input."""
+    freqs [1, S, 1, R/2, 2, 2] (:func:`rope_table_problem`); q_weight / k_weight [head_dim]. The q and k columns of
+    qkv are overwritten; returns the v columns of qkv as a strided [S, heads, head_dim] view (attention reads v like
+    q and k: nothing copied). Formula: module docstring; eager reference :func:`qk_norm_rope_ref`. ValueError naming
+    the argument on bad input."""
     where = "fused.qk_norm_rope"
     _qk_rope_checks(where, qkv, heads, head_dim, freqs, q_weight, k_weight, eps)
     s = qkv.shape[0]
-    if copy_v:
-        v = torch.empty((s, heads, head_dim), device=qkv.device, dtype=qkv.dtype)
-    else:
-        v = qkv[:, 2 * heads * head_dim:].view(s, heads, head_dim)
     if s:
-        _qk_rope_launch(qkv, heads, head_dim, freqs, q_weight, k_weight, eps, v, None, v_part=copy_v)
-    return v
+        _qk_rope_launch(qkv, heads, head_dim, freqs, q_weight, k_weight, eps, None)
+    return qkv[:, 2 * heads * head_dim:].view(s, heads, head_dim)
 
 
 def _qk_rope_checks(where, qkv, heads, head_dim, freqs, q_weight, k_weight, eps) -> None:
@@ -546,71 +456,55 @@ def _qk_rope_checks(where, qkv, heads, head_dim, freqs, q_weight, k_weight, eps)
         raise ValueError(f"{where}: eps {eps!r}, expected a finite number >= 0")
 
 
-def _qk_rope_launch(qkv, heads, head_dim, freqs, q_weight, k_weight, eps, v, sage, v_part: bool = True,
-                    stats: bool = False, rotate: bool = False) -> None:
-    """The kernel's launch: programs for q, k and (``v_part``) v; ``sage`` = (q8, qs, k partial sums, v partial
-    maxima) or None; ``stats``: the SAGE launch writes those partials (then the v programs must run)."""
-    if sage is not None and stats != v_part:
-        raise ValueError("fused._qk_rope_launch: the in-launch statistics need the v programs (stats == v_part)")
+def _qk_rope_launch(qkv, heads, head_dim, freqs, q_weight, k_weight, eps, sage, rotate: bool = False) -> None:
+    """The kernel's launch: programs for q and k; ``sage`` = (q8, qs) or None."""
     s = qkv.shape[0]
-    bs = int(SETTINGS["rope_rows"])
-    q8, qs, ks, va = sage if sage is not None else (v, v, v, v)
-    _qk_rope_kernel[(triton.cdiv(s, bs), 3 if v_part else 2)](
-        qkv, v, torch.cat((q_weight.reshape(-1), k_weight.reshape(-1))), freqs, q8, qs, ks, va, s, heads, float(eps),
+    q8, qs = sage if sage is not None else (qkv, qkv)
+    _qk_rope_kernel[(triton.cdiv(s, ROPE_ROWS), 2)](
+        qkv, torch.cat((q_weight.reshape(-1), k_weight.reshape(-1))), freqs, q8, qs, s, heads, float(eps),
         qkv.stride(0), freqs.stride(1), freqs.stride(3), freqs.stride(4), freqs.stride(5), D=head_dim,
-        R2=int(freqs.shape[3]), BS=bs, SAGE=sage is not None, VR=max(1, int(SETTINGS["rope_v_rows"]) // bs),
-        STATS=bool(stats), HP=triton.next_power_of_2(heads), INTERP=INTERPRET,
-        PREFETCH=bool(SETTINGS["rope_prefetch"]), ROTATE=bool(rotate) and sage is not None,
-        num_warps=4 if INTERPRET else SETTINGS["rope_warps"])
+        R2=int(freqs.shape[3]), BS=ROPE_ROWS, SAGE=sage is not None, HP=triton.next_power_of_2(heads),
+        INTERP=INTERPRET, ROTATE=bool(rotate) and sage is not None, num_warps=4 if INTERPRET else ROPE_WARPS)
 
 
 def qk_norm_rope_sage(qkv: torch.Tensor, heads: int, head_dim: int, freqs: torch.Tensor, q_weight: torch.Tensor,
                       k_weight: torch.Tensor, eps: float, rotate: bool = True) -> dict:
-    """:func:`qk_norm_rope` producing the ``int8_sage`` attention's inputs in the same launch (kernel (f)): q is
-    quantized to INT8 per (row, head) straight from its rounded rotated values (SageAttention's per-token Q
-    quantization, ``q8 = round_half_away(q * 127 / max|q_row|)``), k is rotated in place and its column sums taken,
-    v is read once for its column max |v| (no copy). Arguments as :func:`qk_norm_rope`. Returns ``{"q8": int8
-    [S, heads, head_dim], "qs": float32 [S, heads] (max|q_row| / 127), "ksum": float32 [R, heads, head_dim] (partial
-    sums of the rotated k over R row ranges: their sum over dim 0 is the column sum), "vamax": float32 [R, heads,
-    head_dim] (partial maxima)}`` (R = 1 unless ``SETTINGS["sage_stats"]`` is "pass"; the arguments of
-    :func:`.attention.int8_kernels.sage_attention_prequantized`); qkv's q columns keep their input values.
-    ``rotate`` (default): q is multiplied by the unnormalised Hadamard matrix H_D before its quantization (int8_sage's
-    ``ROTATE``, which must match: :func:`.attention.int8_kernels.fwht`). Eager reference :func:`qk_norm_rope_sage_ref`.
-    ValueError naming the argument on bad input."""
+    """:func:`qk_norm_rope` producing the ``int8_sage`` attention's inputs (kernel (f)): q is quantized to INT8 per
+    (row, head) straight from its rounded rotated values in the same launch (SageAttention's per-token Q
+    quantization, ``q8 = round_half_away(q * 127 / max|q_row|)``), k is rotated in place, v is not copied; then one
+    statistics pass over the k / v columns (:func:`.attention.int8_kernels.kv_partial_stats`). Arguments as
+    :func:`qk_norm_rope`. Returns ``{"q8": int8 [S, heads, head_dim], "qs": float32 [S, heads] (max|q_row| / 127),
+    "ksum": float32 [R, heads, head_dim] (partial sums of the rotated k over R <= :data:`SAGE_STATS_PARTS` row ranges:
+    their sum over dim 0 is the column sum), "vamax": float32 [R, heads, head_dim] (partial maxima of |v|)}`` (the
+    arguments of :func:`.attention.int8_kernels.sage_attention_prequantized`); qkv's q columns keep their input
+    values. ``rotate`` (default): q is multiplied by the unnormalised Hadamard matrix H_D before its quantization
+    (int8_sage's ``ROTATE``, which must match: :func:`.attention.int8_kernels.fwht`). Eager reference
+    :func:`qk_norm_rope_sage_ref`. ValueError naming the argument on bad input."""
     where = "fused.qk_norm_rope_sage"
     _qk_rope_checks(where, qkv, heads, head_dim, freqs, q_weight, k_weight, eps)
     s, dev = qkv.shape[0], qkv.device
     q8 = torch.empty((s, heads, head_dim), device=dev, dtype=torch.int8)
     qs = torch.empty((s, heads), device=dev, dtype=torch.float32)
-    bs = int(SETTINGS["rope_rows"])
-    vrows = bs * max(1, int(SETTINGS["rope_v_rows"]) // bs)
-    stats = SETTINGS["sage_stats"]
-    if stats not in ("pass", "kernel", "torch"):
-        raise ValueError(f"{where}: SETTINGS['sage_stats'] = {stats!r}, expected 'pass', 'kernel' or 'torch'")
-    inner = heads * head_dim
-    if s and stats == "kernel":
-        parts = torch.empty((triton.cdiv(s, bs), heads, head_dim), device=dev, dtype=torch.float32)
-        vparts = torch.empty((triton.cdiv(s, vrows), heads, head_dim), device=dev, dtype=qkv.dtype)
-        _qk_rope_launch(qkv, heads, head_dim, freqs, q_weight, k_weight, eps, qkv, (q8, qs, parts, vparts), True,
-                        stats=True, rotate=rotate)
-        ksum, vamax = parts.sum(dim=0, keepdim=True), vparts.amax(dim=0, keepdim=True).float()
-    elif s:     # the launch writes q8 / qs and k; k's column sums and v's column extrema after it
-        _qk_rope_launch(qkv, heads, head_dim, freqs, q_weight, k_weight, eps, qkv, (q8, qs, q8, q8), False, stats=False,
-                        rotate=rotate)
-        kc = qkv[:, inner:2 * inner].view(s, heads, head_dim)
-        vc = qkv[:, 2 * inner:].view(s, heads, head_dim)
-        if stats == "pass":
-            from .attention.int8_kernels import kv_partial_stats
+    if not s:
+        z = torch.zeros((1, heads, head_dim), device=dev, dtype=torch.float32)
+        return {"q8": q8, "qs": qs, "ksum": z, "vamax": z.clone()}
+    from .attention.int8_kernels import kv_partial_stats
 
-            ksum, vamax = kv_partial_stats(kc, vc, parts=int(SETTINGS["sage_stats_parts"]))
-        else:
-            ksum = kc.sum(dim=0, dtype=torch.float32, keepdim=True)
-            vmin, vmax = torch.aminmax(vc, dim=0, keepdim=True)
-            vamax = torch.maximum(vmax.float(), -vmin.float())
-    else:
-        ksum = torch.zeros((1, heads, head_dim), device=dev, dtype=torch.float32)
-        vamax = torch.zeros((1, heads, head_dim), device=dev, dtype=torch.float32)
+    _qk_rope_launch(qkv, heads, head_dim, freqs, q_weight, k_weight, eps, (q8, qs), rotate=rotate)
+    inner = heads * head_dim
+    ksum, vamax = kv_partial_stats(qkv[:, inner:2 * inner].view(s, heads, head_dim),
+                                   qkv[:, 2 * inner:].view(s, heads, head_dim), parts=SAGE_STATS_PARTS)
     return {"q8": q8, "qs": qs, "ksum": ksum, "vamax": vamax}
+
+
+def kv_stats_ref(qkv: torch.Tensor, heads: int, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(ksum, vamax) of the k / v columns of ``qkv`` as one torch reduction each (float32 [1, heads, head_dim]):
+    the statistics ``int8_sage``'s standalone K/V pre-kernel computes, for comparing the fused route with it bit for
+    bit (tests)."""
+    s, inner = qkv.shape[0], heads * head_dim
+    kc = qkv[:, inner:2 * inner].view(s, heads, head_dim)
+    vmin, vmax = torch.aminmax(qkv[:, 2 * inner:].view(s, heads, head_dim), dim=0, keepdim=True)
+    return kc.sum(dim=0, dtype=torch.float32, keepdim=True), torch.maximum(vmax.float(), -vmin.float())
 
 
 # --------------------------------------------------------------------------- GEMM on a quantized input
@@ -740,11 +634,10 @@ class EagerOps:
         return quantize_rows(x)
 
     @staticmethod
-    def qk_norm_rope(qkv, heads, head_dim, freqs, q_weight, k_weight, eps, copy_v=True):
+    def qk_norm_rope(qkv, heads, head_dim, freqs, q_weight, k_weight, eps):
         new = qk_norm_rope_ref(qkv, heads, head_dim, freqs, q_weight, k_weight, eps, dtype=torch.float32)
         qkv.copy_(new)
-        v = qkv[:, 2 * heads * head_dim:].view(qkv.shape[0], heads, head_dim)
-        return v.clone() if copy_v else v
+        return qkv[:, 2 * heads * head_dim:].view(qkv.shape[0], heads, head_dim)
 
     gemm = staticmethod(fp8_gemm_ref)
 

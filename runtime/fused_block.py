@@ -32,12 +32,12 @@ offering its fused operands: then the adapter is folded into the layer's e4m3 we
 ``fp8_slot`` route) and the pre-quantized input is used (the branch sees the block's unsmoothed activation: the
 producer's input is what core would hand the layer).
 
-With ``kernels.fused.SETTINGS["sage_route"]`` on (the default: measured faster on the H200, docs/kernels.md) and the
-MODEL's attention override the pack's ``int8_sage``, the RMSNorm + RoPE launch also quantizes Q per row and takes the
-K/V statistics (``qk_norm_rope_sage``), the backend's kernel runs here (``sage_attention_prequantized``) and writes
-out_proj's e4m3 input (:func:`_sage_route`).
+With the MODEL's attention override the pack's ``int8_sage``, the RMSNorm + RoPE launch also quantizes Q per row and
+the K/V statistics follow it (``qk_norm_rope_sage``), the backend's kernel runs here (``sage_attention_prequantized``)
+and writes out_proj's e4m3 input (:func:`_sage_route`; faster than core's attention call with that override,
+docs/kernels.md).
 
-Across a block boundary (``kernels.fused.SETTINGS["cross_block_residual"]``, on by default): when the entry core calls
+Across a block boundary: when the entry core calls
 for block i + 1 is also a plain fused-block patch, block i returns x without its final gated residual and leaves
 (y, gate_mlp) to that patch, whose first producer applies it (``norm_mod(residual=...)``, the arithmetic of
 ``gate_residual_``, so the same bits) while it normalizes: one read and write of the stream less per boundary. Core's
@@ -302,11 +302,11 @@ class FusedBlockPatch:
         return p
 
     def _next_for_defer(self, args: dict) -> "FusedBlockPatch | None":
-        """The patch of block ``index + 1`` when this call may leave its final gated residual to it
-        (``kernels.fused.SETTINGS["cross_block_residual"]``): core calls both entries directly (the entry for this
+        """The patch of block ``index + 1`` when this call may leave its final gated residual to it: core calls both
+        entries directly (the entry for this
         block is this patch, the one for block ``index + 1`` that patch), both are plain fused-block entries (nothing
         chained around either), and the call's ``transformer_options`` holds no residual yet; else None."""
-        if not fk.SETTINGS["cross_block_residual"] or _DEFER_OFF or self.prev is not None:
+        if _DEFER_OFF or self.prev is not None:
             return None
         to = args.get("transformer_options")
         if not isinstance(to, dict) or _PENDING_KEY in to:
@@ -456,16 +456,16 @@ def _dequantized(x8, sx, dtype):
 
 def _gluon_config(c: dict, device, tokens: int = 0) -> dict:
     """``c`` with the Gluon attention kernel (``kernels.fused.SETTINGS["sage_gluon"]``, "auto" or True): from
-    ``SETTINGS["sage_gluon_ws_tokens"]`` tokens on, its warp-specialized form (BLOCK_M 128: two consumer warpgroups and
-    a TMA warp, ``num_stages`` K/V slots = ``SETTINGS["sage_gluon_ws_stages"]``), below it the 4-warp form (BLOCK_M 64);
+    ``kernels.fused.GLUON_WS_TOKENS`` tokens on, its warp-specialized form (BLOCK_M 128: two consumer warpgroups and
+    a TMA warp, ``num_stages`` K/V slots = ``GLUON_WS_STAGES``), below it the 4-warp form (BLOCK_M 64);
     or ``c`` unchanged with the reason logged once when this device / Triton cannot run it or ``c`` is not the
     configuration it implements."""
     from ..kernels.attention import int8_gluon, int8_kernels
 
     why = _GLUON_OFF.get(torch.device(device).type) or int8_gluon.available(device)
     g = dict(c, GLUON=True, MAXNREG=None, Q_ROW=True, QPRE=True)
-    if tokens >= fk.SETTINGS["sage_gluon_ws_tokens"]:
-        g.update(BLOCK_M=128, num_warps=4, num_stages=fk.SETTINGS["sage_gluon_ws_stages"])
+    if tokens >= fk.GLUON_WS_TOKENS:
+        g.update(BLOCK_M=128, num_warps=4, num_stages=fk.GLUON_WS_STAGES)
     else:
         g.update(BLOCK_M=64, num_warps=4)
     if why is None:
@@ -484,12 +484,11 @@ def _gluon_config(c: dict, device, tokens: int = 0) -> dict:
 
 
 def _sage_route(transformer_options, x, head_dim: int, ops):
-    """(override, config) when ``kernels.fused.SETTINGS["sage_route"]`` is on (the default; docs/kernels.md), the MODEL's attention override is the pack's ``int8_sage`` and its kernel can take this block's
-    call fused (:func:`kernels.fused.qk_norm_rope_sage` + ``sage_attention_prequantized``); else None (core's
-    attention call with that override). With the setting on, the reason an ``int8_sage`` call is not taken is logged
-    once."""
+    """(override, config) when the MODEL's attention override is the pack's ``int8_sage`` and its kernel can take this
+    block's call fused (:func:`kernels.fused.qk_norm_rope_sage` + ``sage_attention_prequantized``); else None (core's
+    attention call with that override). The reason an ``int8_sage`` call is not taken is logged once."""
     ov = transformer_options.get("optimized_attention_override")
-    if ov is None or getattr(ov, "backend", None) != "int8_sage" or not fk.SETTINGS["sage_route"]:
+    if ov is None or getattr(ov, "backend", None) != "int8_sage":
         return None
     from ..kernels.attention import int8_sage
 
@@ -611,8 +610,7 @@ def fused_forward(block, x, t_emb, mod_segments, rope_freqs, transformer_options
             v4 = qkv[:, 2 * inner:].view(s, heads, dh).transpose(0, 1).unsqueeze(0)
             fp8_out = plans["attn.out_proj"][0] != "module"
             res = _int8_kernels().sage_attention_prequantized(prep["q8"], prep["qs"], k4, v4, prep["ksum"],
-                                                              prep["vamax"], config=cfg, out_fp8=fp8_out,
-                                                              reduce_once=bool(fk.SETTINGS["sage_stats_once"]))
+                                                              prep["vamax"], config=cfg, out_fp8=fp8_out)
             passed = guard is None or _guard_passes(guard, layer, qkv, heads, dh, rope_freqs, qw, kw,
                                                     _eps(at.q_norm, x), k4, v4, res, fp8_out)
         except Exception as e:  # noqa: BLE001 - e.g. a Triton build failure on this GPU
@@ -656,8 +654,8 @@ def fused_forward(block, x, t_emb, mod_segments, rope_freqs, transformer_options
             y = _project(at.out_proj, plans["attn.out_proj"], None, lambda: res[0], x, ops, routes)
         del res
     else:
-        # core's rms_rope_split_half_ on the q / k columns and v.clone() (SETTINGS["v_copy"]), in one launch
-        v = ops.qk_norm_rope(qkv, heads, dh, rope_freqs, qw, kw, _eps(at.q_norm, x), copy_v=fk.SETTINGS["v_copy"])
+        # core's rms_rope_split_half_ on the q / k columns in place; v read from the qkv buffer like q and k (no copy)
+        v = ops.qk_norm_rope(qkv, heads, dh, rope_freqs, qw, kw, _eps(at.q_norm, x))
         q = qkv[:, :inner].view(s, heads, dh)
         k = qkv[:, inner:2 * inner].view(s, heads, dh)
         wrap = _attention_wrapper(at)

@@ -41,7 +41,7 @@ def test_fused_kernels_interpreted_on_cpu():
     from conftest import _comfyui_path     # the one ComfyUI test in it skips (loudly) without ComfyUI
 
     have_comfy = _comfyui_path() is not None
-    assert m and int(m.group(1)) == (108 if have_comfy else 107), tail
+    assert m and int(m.group(1)) == (69 if have_comfy else 68), tail
     assert "skipped" not in proc.stdout.splitlines()[-1] or not have_comfy, tail
 
 
@@ -197,20 +197,6 @@ def test_fused_block_matches_the_unfused_fp8_path(fp8_model, emulated_unfused_fp
     assert 5e-3 < r_unfused < 0.15 and r_fused <= 1.25 * r_unfused, (r_fused, r_unfused)
 
 
-def test_fused_block_without_the_v_copy_is_the_same_block(fp8_model, monkeypatch):
-    """SETTINGS["v_copy"] off (the default): attention reads v from the qkv buffer (strided like q and k): the block's
-    output is the one with core's copy of v."""
-    from h3_turbo.runtime import fused_block as fb
-
-    b, args = _block_args(fp8_model)
-    assert not fk.SETTINGS["v_copy"]                      # the default
-    monkeypatch.setitem(fk.SETTINGS, "v_copy", True)
-    want = _run(fb.FusedBlockPatch(b, 3, ops=fk.EAGER, devices=("cpu",)), b, args)
-    monkeypatch.setitem(fk.SETTINGS, "v_copy", False)
-    got = _run(fb.FusedBlockPatch(b, 3, ops=fk.EAGER, devices=("cpu",)), b, args)
-    assert torch.equal(got, want)
-
-
 def _two_blocks(mp, defer: bool, monkeypatch, p4_devices=("cpu",)):
     """Blocks 3 and 4 as core's loop runs them: fused-block patches at ("double_block", 3 / 4) of the call's
     transformer_options, block 3's output handed to block 4's entry. Returns (patches, block 3's output as returned,
@@ -219,10 +205,11 @@ def _two_blocks(mp, defer: bool, monkeypatch, p4_devices=("cpu",)):
 
     b3, args = _block_args(mp, 3)
     b4, _ = _block_args(mp, 4)
-    monkeypatch.setitem(fk.SETTINGS, "cross_block_residual", defer)
     p3 = fb.FusedBlockPatch(b3, 3, ops=fk.EAGER, devices=("cpu",))
     p4 = fb.FusedBlockPatch(b4, 4, ops=fk.EAGER, devices=p4_devices)
-    to = {"patches_replace": {"dit": {("double_block", 3): p3, ("double_block", 4): p4}}}
+    # without deferral: block 4's entry not in the call's patches, so block 3 cannot leave its residual to it
+    dit = {("double_block", 3): p3, ("double_block", 4): p4} if defer else {("double_block", 3): p3}
+    to = {"patches_replace": {"dit": dit}}
     a = dict(args, transformer_options=to)          # a["img"]: block 3's input (the blocks update a clone in place)
     with torch.no_grad():
         y = p3(dict(a, img=a["img"].clone()), {"original_block": _core(b3)})["img"]
@@ -238,12 +225,11 @@ def _left(a):
 
 
 def test_cross_block_residual_is_the_same_bits(fp8_model, monkeypatch):
-    """SETTINGS["cross_block_residual"] (the default): block 3 returns the stream without its final gated residual
+    """Block 3 returns the stream without its final gated residual
     and leaves it in the forward's transformer_options, where block 4's entry takes it and its first producer applies
     it: block 4's output is bit for bit the one of the two blocks run one after the other without it; a block 4 that
     cannot serve the call applies it first and runs core's block (the same bits as core's block on the updated
     stream)."""
-    assert fk.SETTINGS["cross_block_residual"]                       # the default
     (q3, q4), y_off, z_off, (b3, b4, a0) = _two_blocks(fp8_model, False, monkeypatch)
     assert q3.deferred == 0 and _left(a0) is None
     calls = []
@@ -548,11 +534,11 @@ def test_sage_gluon_setting_falls_back_to_the_triton_kernel_with_its_reason_logg
         monkeypatch.setattr(int8_gluon, "available", lambda device: None)      # as on a Hopper GPU
         g = fb._gluon_config(c, cpu)
         assert g is not c and g["GLUON"] and g["MAXNREG"] is None and g["Q_ROW"] and K._cfg(g) == g
-        assert g["BLOCK_M"] == 64          # below SETTINGS["sage_gluon_ws_tokens"]: the 4-warp form
-        n = fk.SETTINGS["sage_gluon_ws_tokens"]
+        assert g["BLOCK_M"] == 64          # below GLUON_WS_TOKENS: the 4-warp form
+        n = fk.GLUON_WS_TOKENS
         assert fb._gluon_config(c, cpu, n - 1)["BLOCK_M"] == 64
         w = fb._gluon_config(c, cpu, n)     # from there on: the warp-specialized form
-        assert (w["BLOCK_M"], w["num_stages"], w["num_warps"]) == (128, fk.SETTINGS["sage_gluon_ws_stages"], 4)
+        assert (w["BLOCK_M"], w["num_stages"], w["num_warps"]) == (128, fk.GLUON_WS_STAGES, 4)
         assert K._cfg(w) == w
         assert fb._gluon_config(dict(c, TMA=False), cpu)["GLUON"] is False
         monkeypatch.setitem(fb._GLUON_OFF, "cpu", "RuntimeError: boom")

@@ -99,7 +99,7 @@ def test_norm_mod_residual_bit_identical_update_and_fp8(m, k, segs, ada_dtype):
 @pytest.mark.parametrize("m,k,segs", CASES)
 @pytest.mark.parametrize("out", ["fp8", "bf16"])
 def test_norm_mod_residual_is_gate_residual_then_norm_mod(m, k, segs, out):
-    """The fused block's cross-block form (SETTINGS["cross_block_residual"]): norm_mod(residual=(y, gate)) = the
+    """The fused block's cross-block form: norm_mod(residual=(y, gate)) = the
     previous block's gate_residual_ followed by this block's norm_mod, bit for bit (stream, codes, row scales)."""
     x, w, sh, sc, gate, other = _inputs(m, k, seed=5 * m + k)
     rows = fk.segment_rows(segs, m, "cpu")
@@ -127,16 +127,10 @@ def test_norm_mod_bf16_output_is_the_rounded_float64(m, k, segs):
 
 
 @pytest.mark.parametrize("m,f", [(37, 80), (1, 16), (9, 14336 // 4), (21, 200)])
-@pytest.mark.parametrize("one_pass", [False, True])
-def test_swiglu_fp8_matches_float64(m, f, one_pass):
+def test_swiglu_fp8_matches_float64(m, f):
     g = torch.Generator().manual_seed(m + f)
     h = (torch.randn(m, 2 * f, generator=g) * 3.0).to(torch.bfloat16)
-    before = fk.SETTINGS["swiglu_one_pass"]
-    fk.SETTINGS["swiglu_one_pass"] = one_pass
-    try:
-        y8, sy = fk.swiglu(h)
-    finally:
-        fk.SETTINGS["swiglu_one_pass"] = before
+    y8, sy = fk.swiglu(h)
     assert y8.shape == (m, f) and sy.shape == (m, 1)
     a64 = fk.swiglu_ref(h)
     # [gate; up] order: silu of the FIRST half (swapping the halves gives another function)
@@ -232,13 +226,13 @@ def _rope_inputs(s, heads, d, r2, dtype, table_dtype, seed=0, row_pad=0):
 @pytest.mark.parametrize("s,heads,d,r2,row_pad", [(37, 3, 128, 48, 0), (5, 2, 64, 32, 24), (1, 1, 128, 64, 0),
                                                   (19, 2, 64, 5, 0)])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_qk_norm_rope_matches_float64_and_copies_v(s, heads, d, r2, row_pad, dtype):
+def test_qk_norm_rope_matches_float64_and_leaves_v(s, heads, d, r2, row_pad, dtype):
     qkv, table, qw, kw = _rope_inputs(s, heads, d, r2, dtype, torch.bfloat16, seed=s + d, row_pad=row_pad)
     before = qkv.clone()
     want = fk.qk_norm_rope_ref(before, heads, d, table, qw, kw, 1e-6)
     v = fk.qk_norm_rope(qkv, heads, d, table, qw, kw, 1e-6)
     inner = heads * d
-    assert v.shape == (s, heads, d) and v.is_contiguous()
+    assert v.shape == (s, heads, d) and v.data_ptr() == qkv[:, 2 * inner:].data_ptr()    # qkv's own v columns
     assert torch.equal(v, before[:, 2 * inner:].reshape(s, heads, d))
     assert torch.equal(qkv[:, 2 * inner:], before[:, 2 * inner:])            # v columns untouched
     got, ref64 = qkv[:, :2 * inner], want[:, :2 * inner]
@@ -289,9 +283,7 @@ def test_qk_norm_rope_refuses_bad_inputs():
 @pytest.mark.parametrize("s,heads,d,r2,row_pad", [(37, 3, 128, 48, 0), (5, 2, 64, 32, 24), (1, 1, 128, 64, 0),
                                                   (19, 2, 64, 5, 0), (0, 2, 64, 16, 0)])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("stats,v_rows", [("kernel", 8), ("kernel", 32), ("torch", 8), ("pass", 8)])
-def test_qk_norm_rope_sage_is_qk_norm_rope_then_int8_sage_inputs(s, heads, d, r2, row_pad, dtype, stats, v_rows,
-                                                                  monkeypatch):
+def test_qk_norm_rope_sage_is_qk_norm_rope_then_int8_sage_inputs(s, heads, d, r2, row_pad, dtype):
     """kernel (f): k rotated in place bit for bit as qk_norm_rope, v and q columns untouched; q8 / qs = qk_norm_rope's
     q quantized per (row, head) by the fp32 formula, bit for bit
     (but at exact .5 ties); vamax exact; ksum = the float64 column sum of
@@ -303,8 +295,6 @@ def test_qk_norm_rope_sage_is_qk_norm_rope_then_int8_sage_inputs(s, heads, d, r2
     if s:
         fk.qk_norm_rope(rot, heads, d, table, qw, kw, 1e-6)
     x = qkv.clone()
-    monkeypatch.setitem(fk.SETTINGS, "sage_stats", stats)
-    monkeypatch.setitem(fk.SETTINGS, "rope_v_rows", v_rows)
     got = fk.qk_norm_rope_sage(x, heads, d, table, qw, kw, 1e-6)
     inner = heads * d
     assert torch.equal(x[:, :inner], qkv[:, :inner]) and torch.equal(x[:, inner:], rot[:, inner:])
@@ -322,7 +312,7 @@ def test_qk_norm_rope_sage_is_qk_norm_rope_then_int8_sage_inputs(s, heads, d, r2
     k = rot[:, inner:2 * inner].reshape(s, heads, d).double()
     v = qkv[:, 2 * inner:].reshape(s, heads, d)
     r = got["ksum"].shape[0]
-    assert got["ksum"].shape == got["vamax"].shape == (r, heads, d) and (r == 1 or stats == "pass")
+    assert got["ksum"].shape == got["vamax"].shape == (r, heads, d) and 1 <= r <= fk.SAGE_STATS_PARTS
     assert torch.equal(got["vamax"].amax(dim=0), v.float().abs().amax(dim=0) if s else torch.zeros(heads, d))
     ks = got["ksum"].double().sum(dim=0)
     assert bool(((ks - k.sum(dim=0)).abs() <= 1e-6 * k.abs().sum(dim=0) + 1e-30).all())
@@ -331,40 +321,18 @@ def test_qk_norm_rope_sage_is_qk_norm_rope_then_int8_sage_inputs(s, heads, d, r2
         assert float((got["q8"].int() - ref["q8"].int()).abs().float().mean()) <= 2e-3   # float64-rounded q
 
 
-@pytest.mark.parametrize("s,heads,d,r2", [(37, 3, 128, 48), (5, 1, 64, 32), (19, 2, 64, 5)])
-def test_qk_norm_rope_prefetch_changes_no_bit(s, heads, d, r2, monkeypatch):
-    """SETTINGS["rope_prefetch"] (head h + 1's loads issued before head h is computed) is the same arithmetic: q / k
-    in place and the int8_sage outputs are bit-identical with it on and off, for one head and for a ragged last
-    program."""
-    qkv, table, qw, kw = _rope_inputs(s, heads, d, r2, torch.bfloat16, torch.bfloat16, seed=s)
-    outs = {}
-    for pf in (False, True):
-        monkeypatch.setitem(fk.SETTINGS, "rope_prefetch", pf)
-        a, b = qkv.clone(), qkv.clone()
-        fk.qk_norm_rope(a, heads, d, table, qw, kw, 1e-6)
-        outs[pf] = (a, b, fk.qk_norm_rope_sage(b, heads, d, table, qw, kw, 1e-6))
-    (a0, b0, g0), (a1, b1, g1) = outs[False], outs[True]
-    assert torch.equal(a0, a1) and torch.equal(b0, b1)
-    assert all(torch.equal(g0[n], g1[n]) for n in ("q8", "qs", "ksum", "vamax"))
-    assert not torch.equal(a1, qkv)
-
-
-def test_qk_norm_rope_without_the_v_copy():
-    """copy_v=False: the same q / k, v returned as the qkv buffer's own (strided, untouched) columns."""
+def test_qk_norm_rope_returns_v_in_place():
+    """v is returned as the qkv buffer's own (strided, untouched) columns: attention reads it like q and k."""
     qkv, table, qw, kw = _rope_inputs(21, 3, 64, 16, torch.bfloat16, torch.bfloat16, seed=4)
-    a, b = qkv.clone(), qkv.clone()
-    va = fk.qk_norm_rope(a, 3, 64, table, qw, kw, 1e-6)
-    vb = fk.qk_norm_rope(b, 3, 64, table, qw, kw, 1e-6, copy_v=False)
-    assert torch.equal(a, b) and torch.equal(va, vb) and vb.data_ptr() == b[:, 2 * 3 * 64:].data_ptr()
-    assert va.is_contiguous() and not vb.is_contiguous()
+    b = qkv.clone()
+    vb = fk.qk_norm_rope(b, 3, 64, table, qw, kw, 1e-6)
+    assert vb.data_ptr() == b[:, 2 * 3 * 64:].data_ptr() and not vb.is_contiguous()
+    assert torch.equal(vb, qkv[:, 2 * 3 * 64:].view(21, 3, 64)) and not torch.equal(b[:, :2 * 3 * 64], qkv[:, :2 * 3 * 64])
 
 
-@pytest.mark.parametrize("stats", ["kernel", "torch", "pass"])
-def test_qk_norm_rope_sage_ignores_the_padded_rows_of_its_last_program(stats, monkeypatch):
-    """eps = 0 and S not a multiple of the rows per program (nor of the v programs' rows): the padded rows (0 / 0 in
-    the norm) stay out of the k sums and the v maxima."""
-    monkeypatch.setitem(fk.SETTINGS, "sage_stats", stats)
-    monkeypatch.setitem(fk.SETTINGS, "rope_v_rows", 16)
+def test_qk_norm_rope_sage_ignores_the_padded_rows_of_its_last_program():
+    """eps = 0 and S not a multiple of the rows per program: the padded rows (0 / 0 in the norm) stay out of the q
+    scales, the k sums and the v maxima."""
     qkv, table, qw, kw = _rope_inputs(13, 2, 64, 16, torch.bfloat16, torch.bfloat16, seed=2)
     got = fk.qk_norm_rope_sage(qkv.clone(), 2, 64, table, qw, kw, 0.0)
     assert torch.isfinite(got["ksum"]).all() and torch.isfinite(got["vamax"]).all() and torch.isfinite(got["qs"]).all()
@@ -440,18 +408,12 @@ def test_fused_block_runs_int8_sage_fused_on_the_producer(comfy, monkeypatch):
         return out, patch
 
     ref, _ = run(None, {"optimized_attention_override": exact.cpu_exact()}, path="exact")
-    assert fk.SETTINGS["sage_route"]                                            # the default: the route is on
-    monkeypatch.setitem(fk.SETTINGS, "sage_route", False)
-    off, p0 = run(_CpuTritonOps(), {"optimized_attention_override": ov})       # route off
+    fb._SAGE_OFF["cpu"] = "test: route off"
+    try:
+        off, p0 = run(_CpuTritonOps(), {"optimized_attention_override": ov})   # route off: core's attention call
+    finally:
+        del fb._SAGE_OFF["cpu"]
     assert p0.calls == 1 and "sage" not in p0.routes and ov.calls == 1
-    monkeypatch.setitem(fk.SETTINGS, "sage_route", True)
-    for st in ("torch", "kernel", "pass"):      # "pass" (the default) last: the runs below use it
-        monkeypatch.setitem(fk.SETTINGS, "sage_stats", st)
-        alt, _ = run(_CpuTritonOps(), {"optimized_attention_override": ov})
-        # both statistics variants: the same function (k sums in another order: an int8 K code may flip)
-        assert st == "torch" or float((alt.double() - ref_alt.double()).norm() / ref_alt.double().norm()) < 1e-3, st
-        ref_alt = alt
-    ov.calls = 1
     fused, p1 = run(_CpuTritonOps(), {"optimized_attention_override": ov})
     assert p1.calls == 1 and p1.routes.get("sage") == 1 and p1.routes.get("fp8") == 4 and ov.calls == 2
     fb._SAGE_OFF["cpu"] = "test: route off"

@@ -2,8 +2,8 @@
 
 - Ahead-of-time compile (no GPU: ``triton.compile`` for ``GPUTarget("cuda", 90, 32)``, to a cubin with the bundled
   ptxas or through the GPU-IR passes) of the fused NVFP4 GEMM at every tile configuration its autotuner can pick
-  for every row class (``m_bucket``), with and without the LoRA epilogue, K a multiple of 128 or not, and of the
-  weight fold the larger row classes run. The Triton interpreter compiles nothing, so this is the test that sees a
+  for every row class (``m_bucket``), with and without the LoRA epilogue, K a multiple of 128 or not, of the
+  weight fold the larger row classes run, and of the int8 path's W8A8 GEMM at its autotuner configs. The Triton interpreter compiles nothing, so this is the test that sees a
   configuration the GPU compiler rejects (issue 42: Triton 3.6 rejected every ``SWAP=False`` tile of 64+ rows).
   Skipped loudly when this Triton cannot compile for sm_90 here.
 - A kernel that fails to build or launch: the layer runs the stated fallback, logged once (build failure forced by
@@ -162,6 +162,33 @@ def test_fold_kernel_compiles_for_sm90(name, out, lora, fp8, inv, full, tmp_path
              "NB"]
     _compile_sm90(monkeypatch, tmp_path, tk._fold_kernel, types, consts, div16,
                   tk.FOLD_CFG["warps"] if bn > 32 else 4, tk.FOLD_CFG["stages"], full=full)
+
+
+def _int8_ids():
+    try:
+        from h3_turbo.kernels import int8_triton as it
+        return [] if it.INTERPRET else [(f"BM{c.kwargs['BM']}-BN{c.kwargs['BN']}-w{c.num_warps}s{c.num_stages}", i)
+                                        for i, c in enumerate(it._configs())]
+    except Exception:  # noqa: BLE001 - no Triton: the probe inside the test skips loudly
+        return [("no-triton", -1)]
+
+
+_INT8_IDS = _int8_ids()
+
+
+@pytest.mark.parametrize("idx", [i for _, i in _INT8_IDS], ids=[n for n, _ in _INT8_IDS])
+def test_int8_gemm_compiles_for_sm90_at_every_config(idx, tmp_path, monkeypatch):
+    """The int8 path's W8A8 GEMM (``int8_triton._w8a8_kernel``, pointer loads as its autotuner launches it) through
+    Triton's GPU-IR passes for sm_90 at each autotuner config, K % 128 != 0 (the masked form)."""
+    _aot_probe()
+    from h3_turbo.kernels import int8_triton as it
+
+    c = it._configs()[idx]
+    types = {"xq_ptr": "*i8", "sx_ptr": "*fp32", "wq_ptr": "*i8", "sw_ptr": "*fp32", "out_ptr": "*bf16"}
+    consts = {"SW_GROUP": 128, "INTERP": False, "EVEN_K": False, "PIPE": False, "TMA": False, "WS": False, **c.kwargs}
+    div16 = ["xq_ptr", "wq_ptr", "out_ptr", "N", "stride_xm", "stride_wn", "stride_om", "M_BUCKET", "M"]
+    _compile_sm90(monkeypatch, tmp_path, it._w8a8_kernel, types, consts, div16, c.num_warps, c.num_stages,
+                  full=False)
 
 
 def test_pickable_configs_cover_every_config_and_row_class():

@@ -91,6 +91,19 @@ def test_audio_shift_for_round_trips_core_closed_form(name):
         schedules.audio_shift_for(1.0, 1.0, 6.0)
 
 
+def test_audio_shift_for_call_is_the_samplers_and_the_tables_rule():
+    """The per-call rule the sampler and the AdaLN table's timestep groups share: the contract's shift at the first
+    call (sigma 1 / 1, where any shift maps 1 to 1), audio_shift_for elsewhere."""
+    from h3_turbo.runtime import adaln
+    from h3_turbo.samplers import training_euler
+
+    assert schedules.audio_shift_for_call(1.0, 1.0, 6.0, 3.0) == 3.0
+    assert schedules.audio_shift_for_call(0.8, 0.3, 12.0, 3.0) == schedules.audio_shift_for(0.8, 0.3, 12.0)
+    assert training_euler._audio_shift_for_call is schedules.audio_shift_for_call
+    names = adaln.timestep_groups.__code__.co_names         # runtime imports samplers.schedules, not the sampler
+    assert any(n.endswith("samplers.schedules") for n in names) and not any("training_euler" in n for n in names)
+
+
 # ---------------------------------------------------------------------------------------------- loop
 
 def _field(x: np.ndarray, sigma: float, phase: float) -> np.ndarray:

@@ -193,9 +193,9 @@ def lora_ref(xs64, w64, a, b, scale, blocks):
     return out
 
 
-def linear_sweep():
+def linear_sweep(names):
     ms_max = max(MS)
-    for pname in PATH_NAMES:
+    for pname in names:
         name, lean = ("fp8", True) if pname == "fp8_lean" else (pname, False)
         try:
             path = registry.get(name)
@@ -568,13 +568,15 @@ def main() -> int:
     if MODE in ("sweep", "all"):
         if QUICK_TUNE and not DRY:
             quick_tune()
-        linear_sweep()
+        # exact first (issue 42's path), then the short kernel checks, then the other paths' long autotuning
         if "exact" in PATH_NAMES:
+            linear_sweep(["exact"])
             exact_config_sweep()
         if os.environ.get("FUSED", "1") == "1":
             fused_sweep()
         if ATTN:
             attention_sweep()
+        linear_sweep([n for n in PATH_NAMES if n != "exact"])
     if MODE in ("demo", "all"):
         demo_runs()
     save()

@@ -11,7 +11,6 @@ import logging
 import os
 import re
 import subprocess
-import sys
 import tempfile
 
 import pytest
@@ -597,14 +596,9 @@ def test_interp_prequantized_fp8_output_of_an_all_zero_v():
 def test_interpreted_kernels_in_subprocess():
     """Runs this file's ``test_interp_*`` tests in a fresh interpreter with TRITON_INTERPRET=1."""
     pytest.importorskip("triton")
-    env = dict(os.environ, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="")
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", "test_interp_",
-                           os.path.abspath(__file__)], env=env, capture_output=True, text=True, timeout=600)
-    tail = proc.stdout[-6000:] + proc.stderr[-2000:]
-    assert proc.returncode == 0, tail
-    m = re.search(r"(\d+) passed", proc.stdout)
-    assert m and int(m.group(1)) == 20, tail
-    assert "skipped" not in proc.stdout.splitlines()[-1], tail
+    from interp_runner import run_interp_tests
+
+    run_interp_tests(__file__, 20)
 
 
 def _compile_gluon_for_hopper(out_fp8: bool, ws: bool = False):

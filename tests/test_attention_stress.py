@@ -12,9 +12,6 @@ from __future__ import annotations
 import logging
 import math
 import os
-import re
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -393,10 +390,13 @@ def test_interp_fused_route_guard_reruns_a_failing_block_exact(comfy_modules):
 def test_interpreted_in_subprocess():
     """Runs this file's ``test_interp_*`` tests in a fresh interpreter with TRITON_INTERPRET=1."""
     pytest.importorskip("triton")
-    env = dict(os.environ, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="")
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", "test_interp_",
-                           os.path.abspath(__file__)], env=env, capture_output=True, text=True, timeout=900)
-    tail = proc.stdout[-6000:] + proc.stderr[-2000:]
-    assert proc.returncode == 0, tail
-    m = re.search(r"(\d+) passed", proc.stdout)
-    assert m and int(m.group(1)) == 11, tail
+    from interp_runner import run_interp_tests
+
+    from h3_turbo import harness
+
+    try:                 # the fused-block test needs ComfyUI (skipped loudly by conftest where it is absent)
+        harness.find_comfyui()
+        n = 11
+    except harness.ComfyUINotFound:
+        n = 10
+    run_interp_tests(__file__, n, timeout=900, allow_skips=n == 10)

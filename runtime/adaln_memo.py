@@ -15,11 +15,12 @@ stand-ins in their place:
 - :class:`MemoAdaLN` stands in for one ``adaln_proj``: ``rows[idx]`` viewed and chunked as core's ``AdalnProj``.
 - :func:`sample_wrapper`, a ComfyUI ``WrappersMP.OUTER_SAMPLE`` wrapper (core's KSampler, SamplerCustomAdvanced and
   the pack's sampler all run through it, with the sigmas known): before sampling it reads the cache file of
-  (model hash, compute dtype, device type, sigmas) if one exists, else computes the groups it predicts from the
-  sigmas (:func:`predict_groups`) in one pass over the weights; after, if any group was computed from the weights
-  during the run, it writes the groups the run used to that file in the pack's table format
+  (model hash, compute dtype, device type, sigmas) if one exists, then computes the groups it predicts from the
+  sigmas (:func:`predict_groups`; H3 Turbo Sampler predicts its own: :func:`prefetch_groups`) that neither holds, in
+  one pass over the weights; after, if any group was computed from the weights during the run, it writes the groups
+  the run used or predicted, with those the file held, to that file in the pack's table format
   (:func:`h3_turbo.runtime.adaln.write_table`). A second run of the same schedule therefore reads the table and
-  never touches the weights.
+  never touches the weights, whichever sampler ran the schedule first.
 
 A timestep outside a *fixed* table (``runtime/adaln.py``: the DMD loader, ``patch``) is refused there, never
 interpolated; this module never interpolates either: an unknown group is computed from the weights.
@@ -97,8 +98,9 @@ class Memo:
         self.final: list[torch.Tensor] = []
         self._cat: tuple[int, list[torch.Tensor], torch.Tensor] | None = None
         self.run_groups: list[tuple[int, ...]] = []
+        self.run_predicted: list[tuple[int, ...]] = []   # the groups predicted for the current run (stored or not)
+        self.path_groups: dict[str, list[tuple[int, ...]]] = {}   # cache file -> the groups it holds
         self.computed = False
-        self.cached_run = False      # the current run's schedule was read from a cache file
         self.loaded: set[str] = set()
         self._chunk: dict[tuple[int, ...], int] = {}    # group -> its entry in blocks[i] / final
         self._staged: dict[torch.device, _Staged] = {}
@@ -162,9 +164,10 @@ class Memo:
 
     def prefetch(self, groups: list[tuple[float, ...]], dtype: torch.dtype, device) -> int:
         """Compute the groups not stored yet in one pass (sampling start, groups predicted from the sigmas);
-        returns how many were computed."""
+        returns how many were computed. Every predicted group is kept for the run's cache file."""
         with self.lock:
             keys = [A._bits(g) for g in groups]
+            self.run_predicted += [k for k in dict.fromkeys(keys) if k not in self.run_predicted]
             todo = [(k, g) for k, g in zip(keys, groups) if k not in self.index]
             todo = list(dict(todo).items())
             if not todo:
@@ -205,9 +208,12 @@ class Memo:
         return n
 
     def write(self, path: str, meta: dict) -> None:
-        """The groups of the current run, in the pack's table format."""
+        """The groups of the current run (used or predicted) and those the file held, in the pack's table format:
+        one schedule's sigmas can be run by samplers whose groups differ (H3 Turbo Sampler with and without a Turbo
+        contract: their per-call audio shifts differ in the last bits), and each must find its groups there."""
         with self.lock:
-            groups = list(self.run_groups)
+            groups = list(dict.fromkeys(self.path_groups.get(path, []) + self.run_groups + self.run_predicted))
+            self.path_groups[path] = groups
             blocks, final = self.tensors()
             idx = torch.cat([torch.arange(self.index[g], self.index[g] + len(g)) for g in groups])
             vals = [tuple(torch.tensor(g, dtype=torch.int32).view(torch.float32).tolist()) for g in groups]
@@ -391,10 +397,10 @@ PREDICTS_ATTR = "h3_turbo_prefetches_adaln"
 
 def prefetch_groups(model_patcher, groups: list[tuple[float, ...]]) -> int:
     """For samplers that know their forwards' timestep groups (H3 Turbo Sampler: per-call audio shifts): compute
-    those not stored yet in one pass over the AdaLN weights, unless this run's schedule was read from the cache or
-    the model does not use ``adaln=table``. Returns how many were computed."""
+    those not stored yet (in memory or in this schedule's cache file) in one pass over the AdaLN weights; none for a
+    model without ``adaln=table``. Returns how many were computed."""
     memo = memo_of(model_patcher)
-    if memo is None or memo.cached_run:
+    if memo is None:
         return 0
     n = memo.prefetch(groups, _compute_dtype(model_patcher.model), model_patcher.load_device)
     if n:
@@ -416,7 +422,9 @@ def sample_wrapper(executor, noise, latent_image, sampler, sigmas, *args, **kwar
     path = cache_path(memo, sigmas, dtype, device)
     if path not in memo.loaded and os.path.isfile(path):
         try:
-            added = memo.load(A.read_table(path))
+            table = A.read_table(path)
+            added = memo.load(table)
+            memo.path_groups[path] = list(table.groups)
             WEIGHT_READS.incr("cached", added)
             memo.loaded.add(path)
             log_once(("adaln-cache-read", path), "H3 Turbo AdaLN: read the cached table %s (%d timestep groups)",
@@ -425,11 +433,11 @@ def sample_wrapper(executor, noise, latent_image, sampler, sigmas, *args, **kwar
             log.warning("H3 Turbo AdaLN: ignoring the unreadable cache %s (%s); the rows are computed from the "
                         "weights", path, e)
     with memo.lock:
-        memo.run_groups, memo.computed, memo.cached_run = [], False, path in memo.loaded
-    # no cache for this schedule yet: compute the predicted groups in one pass (a cached schedule reads no weights);
-    # a sampler that knows its own groups (H3 Turbo Sampler) calls prefetch_groups itself
+        memo.run_groups, memo.run_predicted, memo.computed = [], [], False
+    # the predicted groups not stored yet (none when the cache holds this schedule) in one pass; a sampler that knows
+    # its own groups (H3 Turbo Sampler) calls prefetch_groups itself
     n = 0
-    if not memo.cached_run and not getattr(getattr(sampler, "sampler_function", None), PREDICTS_ATTR, False):
+    if not getattr(getattr(sampler, "sampler_function", None), PREDICTS_ATTR, False):
         n = memo.prefetch(predict_groups(sigmas, guider.model_options, mp.model.diffusion_model, device), dtype, device)
     if n:
         log_once(("adaln-prefetch", memo.key, n), "H3 Turbo AdaLN: computed %d timestep groups of this schedule in "

@@ -9,6 +9,9 @@
   InputError naming the keys and ``adaln=resident`` (no weight pass, nothing written), for both loaders; the same
   loaded model then samples the projection-only LoRA; ``adaln=resident`` applies those keys (the sample differs
   from the projection-only LoRA's and core logs no "lora key not loaded").
+- the fused fp8 block (its eager ops, the CPU route of its formulas) serves a block whose projections carry the style
+  LoRA (merged: re-prepared patched weights; bypass: the wrapped projections run as modules) and the Turbo branch,
+  within its bound of core's block, the style's effect >= 10x that error.
 The kernel paths (``exact``, ``fp8`` resident and lean) are checked layer by layer under the Triton interpreter:
 tests/test_style_lora_interp.py, run by :func:`test_style_lora_on_kernel_paths_interpreted`.
 """
@@ -169,3 +172,91 @@ def test_style_lora_on_kernel_paths_interpreted():
                        timeout=600)
     assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-2000:]
     assert " passed" in r.stdout and " skipped" not in r.stdout, r.stdout[-2000:]
+
+
+def _fused_case(comfy, style_files, style):
+    """(block 1 of a fresh small NVFP4 load with the style LoRA (None / merged / bypass) and the Turbo branch, loaded
+    by ComfyUI, on compute=fp8; its recorded bf16 arguments; the MODEL: ComfyUI unloads a model, removing its
+    patches and wrappers, once its patcher is garbage-collected, so the caller keeps it)."""
+    import comfy.model_management as mm
+    import comfy.patcher_extension as pe
+    import folder_paths
+    from comfy.sd import load_bypass_lora_for_models, load_lora_for_models
+    from comfy.utils import load_torch_file
+
+    from h3_turbo.nodes.lora import H3TurboLoRA
+    from h3_turbo.runtime.loading import load_h3_model
+    from h3_turbo.runtime.ops import install_compute
+
+    m = load_h3_model(folder_paths.get_full_path_or_raise("diffusion_models", style_files["unet"]), "reference")
+    if style is not None:
+        lora = load_torch_file(folder_paths.get_full_path_or_raise("loras", style_files["proj"]), safe_load=True)
+        m = (load_lora_for_models if style == "merged" else load_bypass_lora_for_models)(m, None, lora, 1.0, 0)[0]
+    m = H3TurboLoRA.execute(model=m, turbo=style_files["lora_4step"], strength=1.0).args[0]
+    mm.load_models_gpu([m])
+    install_compute(m, "fp8")
+    rec = {}
+
+    def recorder(args, extra):
+        rec.setdefault("a", {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in args.items()})
+        return extra["original_block"](args)
+
+    to = pe.copy_nested_dicts(m.model_options.get("transformer_options", {}))    # (a clone's collection would
+    to.setdefault("patches_replace", {}).setdefault("dit", {})[("double_block", 1)] = recorder   # eject m's wrappers)
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        m.model.diffusion_model([torch.randn(1, 24, 7, 8, 8, generator=g), torch.randn(1, 32, 2, 5, generator=g)],
+                                 torch.tensor([800.0]), torch.randn(1, 9, 48, generator=g), transformer_options=to)
+    b = m.model.diffusion_model.blocks[1]
+    for mod in (b.norm1, b.norm2, b.attn.q_norm, b.attn.k_norm, b.adaln_proj.linear):
+        for _, p in mod.named_parameters(recurse=False):
+            p.data = p.data.to(torch.bfloat16)
+    a = rec["a"]
+    return b, {"img": a["img"].to(torch.bfloat16), "t_emb": a["t_emb"].to(torch.bfloat16),
+               "mod_segments": a["mod_segments"], "rope_freqs": a["rope_freqs"].to(torch.bfloat16),
+               "transformer_options": {}}, m
+
+
+_FUSED_INPUT: dict = {}
+
+
+@pytest.mark.parametrize("node", NODES)
+def test_fused_block_serves_the_style_lora_beside_turbo(comfy, style, node):
+    """The fused fp8 block (its eager ops: the CPU route of the same formulas) on a block whose projections carry a
+    core style LoRA (merged: patched NVFP4 weights, prepared again; bypass: wrapped forwards, run as modules) and the
+    Turbo branch: it serves the call (no hand-over to core), its update is within the fused block's bound of core's
+    block on the same patched layers (relative L2 of the update < 0.15, tests/test_fused.py), and the style LoRA
+    changes the update by >= 10x that error."""
+    from h3_turbo.kernels import fused as fk
+    from h3_turbo.runtime import fused_block as fb
+
+    style_kind = "merged" if node == "LoraLoaderModelOnly" else "bypass"
+
+    def run(kind):       # loads a fresh model (ComfyUI unloads, and so unpatches, the previous one): run it at once
+        b, a, m = _fused_case(comfy, style, kind)
+        args = _FUSED_INPUT.setdefault("args", a)    # one block input for every case (block 0 differs by style)
+        x = args["img"]
+        with torch.no_grad():
+            core = b(x.clone(), args["t_emb"], args["mod_segments"], args["rope_freqs"], transformer_options={})
+            patch = fb.FusedBlockPatch(b, 1, ops=fk.EAGER, devices=("cpu",))
+            fused = patch(dict(args, img=x.clone()), {"original_block": None})["img"]
+        assert patch.calls == 1 and patch.delegated == 0, (patch.calls, patch.delegated, patch.routes)
+        del m
+        return core, fused, patch.routes
+
+    if "none" not in _FUSED_INPUT:
+        _FUSED_INPUT["none"] = run(None)
+    core0, fused0, _ = _FUSED_INPUT["none"]
+    core, fused, routes = run(style_kind)
+    x = _FUSED_INPUT["args"]["img"]
+
+    def upd(y, ref, x):
+        d = ref.double() - x.double()
+        return float(((y.double() - x.double()) - d).norm() / d.norm())
+
+    err = upd(fused, core, x)
+    effect = upd(core, core0, x)
+    assert torch.isfinite(fused).all() and err < 0.15, (err, routes)
+    assert effect >= 10 * err, (effect, err, routes)
+    if style_kind == "bypass":
+        assert routes.get("module", 0) >= 4, routes      # the wrapped projections ran their own forward

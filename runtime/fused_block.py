@@ -663,7 +663,7 @@ def fused_forward(block, x, t_emb, mod_segments, rope_freqs, transformer_options
         kc = wrap(k.transpose(0, 1).unsqueeze(0))
         vc = wrap(v.transpose(0, 1).unsqueeze(0))
         del q, k, v
-        to = transformer_options if guard is None else dict(transformer_options, block_index=layer_index)
+        to = transformer_options if guard is None else guard.block_options(transformer_options, layer_index)
         out = optimized_attention(qc, kc, vc, heads, mask=None, skip_reshape=True,
                                   transformer_options=to).squeeze(0)
         del qkv

@@ -147,6 +147,12 @@ def test_guard_runs_exact_only_for_the_layer_that_fails(caplog):
     assert len(summ) == 1 and "3 of 4 checked attention layers run 8-bit; exact: call 2" in summ[0], summ
     assert g.layer({"sigmas": torch.tensor([0.1]), "block_index": 7}) == ("block", 7)
     assert g.layer(None) == ("call", None)
+    # a forward = one transformer_options dict with its sigmas (cond / uncond as two model calls share the sigmas)
+    sig = torch.tensor([0.2])
+    a, b = {"sigmas": sig}, {"sigmas": sig}
+    assert [g.layer(a), g.layer(a), g.layer(b), g.layer(a)] == [("call", 0), ("call", 1), ("call", 0), ("call", 0)]
+    tagged = g.block_options(a, 5)                  # the fused block's copy: its block, the forward's count untouched
+    assert g.layer(tagged) == ("block", 5) and g.layer(a) == ("call", 1) and "sigmas" in tagged
 
 
 def test_cudnn_fp8_override_guard_on_its_model(caplog):

@@ -5,8 +5,8 @@ Contract: :class:`LayerGuard` is held by an approximate override (``int8_sage``'
 block's ``int8_sage`` route. Per call the holder asks :meth:`LayerGuard.layer` for the layer (``("block", i)`` when
 the caller knows the block index ``i``: the fused blocks, or ``transformer_options["block_index"]`` as other core
 models set it; else ``("call", n)``, the n-th attention call of the forward, a forward being recognised by the
-identity of ``transformer_options["sigmas"]``, which core's sampler sets per model call; ``("call", None)`` without
-it). :meth:`LayerGuard.runs_exact` says whether the layer failed earlier; :meth:`LayerGuard.check`, on the first call
+identity of its ``transformer_options`` and of their ``sigmas``, which core's sampler sets per model call;
+``("call", None)`` without them). :meth:`LayerGuard.runs_exact` says whether the layer failed earlier; :meth:`LayerGuard.check`, on the first call
 of a (layer, shape key), computes exact attention (``F.scaled_dot_product_attention`` in the inputs' dtype) for
 :data:`ROWS` evenly spaced query rows of every head only and compares the approximate output's rows with it: the
 layer fails when a (batch, head)'s cosine is below :data:`COS_MIN` (0.997) or the relative L2 over the sample is above
@@ -27,6 +27,8 @@ import torch
 
 from ...logs import log, log_once
 
+#: the transformer_options key :meth:`LayerGuard.block_options` sets
+BLOCK_KEY = "h3t_attention_block"
 COS_MIN = 0.997
 REL_L2_MAX = 0.10
 ROWS = 256
@@ -87,20 +89,27 @@ class LayerGuard:
         self.exact: dict[Hashable, Verdict] = {}
         self.checks = 0
         self._sigmas = None          # weakref to the current forward's sigmas tensor
+        self._options = None         # id() of the current forward's transformer_options
         self._ordinal = 0
         self._new = 0                # verdicts since the last summary line
 
     # ---- which layer
     def layer(self, transformer_options: dict | None, block_index: int | None = None) -> Hashable:
-        """The layer of this call (module docstring); advances the forward's call counter."""
+        """The layer of this call (module docstring); advances the forward's call counter. A new forward: another
+        ``sigmas`` tensor or another ``transformer_options`` dict (core builds one per model call). Options made by
+        :meth:`block_options` give their block without counting (the fused block counted the call)."""
         to = transformer_options if isinstance(transformer_options, dict) else {}
+        tagged = to.get(BLOCK_KEY)
+        if block_index is None and isinstance(tagged, int):
+            return ("block", tagged)
         sig = to.get("sigmas")
         if isinstance(sig, torch.Tensor):
             cur = self._sigmas() if self._sigmas is not None else None
-            if cur is not sig:
+            if cur is not sig or self._options != id(to):
                 if self._new:
                     self.log_summary()
                 self._sigmas = weakref.ref(sig)
+                self._options = id(to)
                 self._ordinal = 0
             n = self._ordinal
             self._ordinal += 1
@@ -110,6 +119,12 @@ class LayerGuard:
             bi = to.get("block_index")
             block_index = bi if isinstance(bi, int) and not isinstance(bi, bool) else None
         return ("block", int(block_index)) if block_index is not None else ("call", n)
+
+    @staticmethod
+    def block_options(transformer_options: dict, block_index: int) -> dict:
+        """A copy of ``transformer_options`` naming block ``block_index`` for the guard of the override it is handed to
+        (the fused blocks' attention call through core)."""
+        return dict(transformer_options, **{BLOCK_KEY: int(block_index)})
 
     def runs_exact(self, layer: Hashable) -> bool:
         return layer in self.exact

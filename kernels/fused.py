@@ -17,15 +17,15 @@ already hold, instead of writing bf16 and quantizing it in a separate pass:
   values of x's dtype (exact) plus x, one rounding: the arithmetic of core's per-segment
   ``x[a:b].addcmul_(other[a:b], gate[row].to(x.dtype))``; one launch for all segments.
 - :func:`qk_norm_rope` (e): core's per-head q/k RMSNorm + partial split-half RoPE, in place on the qkv GEMM
-  output, and v copied out contiguous (core's ``v.clone()``), in one launch: ``n = round(x * rsqrt(mean(x^2) + eps)
+  output, in one launch (v stays in the buffer; attention reads it like q and k): ``n = round(x * rsqrt(mean(x^2) + eps)
   * w)`` per head of q / k (w = q_norm / k_norm weight, the norm rounded to x's dtype as core's RMSNorm materialises
   it), then for pair i < R/2 (R = rot_dim): ``(n_i, n_{i+R/2}) <- (f00 n_i + f01 n_{i+R/2}, f10 n_i + f11 n_{i+R/2})``
   with core's rotation table ``f[s, i] = [[cos, -sin], [sin, cos]]``, in fp32, one rounding; dims >= R pass
   through normed. The arithmetic of comfy-kitchen's ``rms_rope_split_half_`` (eager reference
-  :func:`qk_norm_rope_ref`), replacing its kernel plus the copy of v.
-- :func:`qk_norm_rope_sage` (f): (e) producing the ``int8_sage`` backend's inputs instead of q in place and the v
-  copy: q as INT8 per (row, head) with ``max|q_row| / 127`` scales, k rotated in place with its column sums, v's
-  column max |v| (eager reference :func:`qk_norm_rope_sage_ref`); the fused block's producer route when the MODEL's
+  :func:`qk_norm_rope_ref`), replacing its kernel.
+- :func:`qk_norm_rope_sage` (f): (e) producing the ``int8_sage`` backend's inputs instead of q in place: q as INT8
+  per (row, head) with ``max|q_row| / 127`` scales, k rotated in place, then k's column sums and v's column max |v|
+  by one statistics pass (eager reference :func:`qk_norm_rope_sage_ref`); the fused block's producer route when the MODEL's
   attention is the pack's ``int8_sage`` (measurements: docs/kernels.md).
 - :func:`fp8_gemm`: rowwise ``torch._scaled_mm`` on an already quantized input (the ``fp8`` path's GEMM without
   its quantization pass); :func:`fp8_gemm_ref` its fp32 emulation.

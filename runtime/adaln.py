@@ -342,7 +342,8 @@ def patch(model_patcher, table: AdaLNTable) -> None:
     from .adaln_lora import refuse_wrapper_for   # a LoRA on AdaLN keys is refused before sampling
 
     model_patcher.add_wrapper_with_key(pe.WrappersMP.OUTER_SAMPLE, "h3_turbo_adaln_lora",
-                                       refuse_wrapper_for(f"AdaLN table {os.path.basename(table.path)}"))
+                                       refuse_wrapper_for(f"AdaLN table {os.path.basename(table.path)}",
+                                                          "Sample the model without the fixed AdaLN table"))
 
 
 # --------------------------------------------------------------------------------------------- computing one

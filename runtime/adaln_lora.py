@@ -97,24 +97,27 @@ def adaln_lora_keys(model_patcher) -> list[str]:
     return sorted(keys)
 
 
-def refuse(model_patcher, what: str) -> None:
+#: what to do instead, for a model loaded with adaln=table by the NVFP4 loader
+FIX_LOADER = "Load the model with adaln=resident (H3TurboNVFP4Loader input 'adaln')"
+
+
+def refuse(model_patcher, what: str, fix: str = FIX_LOADER) -> None:
     """InputError when ``model_patcher`` patches AdaLN keys (:func:`adaln_lora_keys`); ``what`` names the table
-    (e.g. ``adaln=table``)."""
+    (e.g. ``adaln=table``), ``fix`` the way out."""
     keys = adaln_lora_keys(model_patcher)
     if not keys:
         return
     shown = ", ".join(keys[:_SHOW]) + (f", ... ({len(keys)} in all)" if len(keys) > _SHOW else "")
     raise InputError(f"H3 Turbo {what}: a LoRA on this MODEL patches {len(keys)} AdaLN / time-embedder weights "
                      f"({shown}). The AdaLN here comes from a table computed from the unpatched weights, so these "
-                     "patches cannot apply and are not dropped silently. Load the model with adaln=resident "
-                     "(H3TurboNVFP4Loader input 'adaln'), or use a LoRA without AdaLN keys.")
+                     f"patches cannot apply and are not dropped silently. {fix}, or use a LoRA without AdaLN keys.")
 
 
-def refuse_wrapper_for(what: str):
+def refuse_wrapper_for(what: str, fix: str = FIX_LOADER):
     """A ComfyUI ``WrappersMP.OUTER_SAMPLE`` wrapper that calls :func:`refuse` before sampling."""
 
     def h3turbo_adaln_lora_check(executor, noise, latent_image, sampler, sigmas, *args, **kwargs):
-        refuse(executor.class_obj.model_patcher, what)
+        refuse(executor.class_obj.model_patcher, what, fix)
         return executor(noise, latent_image, sampler, sigmas, *args, **kwargs)
 
     return h3turbo_adaln_lora_check

@@ -242,6 +242,19 @@ def _pick_weights(rel: fdmd.Release, cpath: str, nvfp4: bool = False) -> str:
     return rel.bf16 or rel.w8a8
 
 
+def _refuse_adaln_lora(mp, table) -> None:
+    """A LoRA on the AdaLN keys of a model whose AdaLN is the table: refused before sampling (runtime/adaln_lora.py)."""
+    import comfy.patcher_extension as pe
+
+    from . import adaln_lora
+
+    adaln_lora.add_key_slots(mp.model.diffusion_model)
+    mp.add_wrapper_with_key(pe.WrappersMP.OUTER_SAMPLE, "h3_turbo_adaln_lora", adaln_lora.refuse_wrapper_for(
+        f"AdaLN table {os.path.basename(table.path.rstrip('/'))}",
+        "Load it with adaln=none on Load TurboH3 DMD Model (the AdaLN from the BF16 weights, when the release has "
+        "them)"))
+
+
 def _table(rel: fdmd.Release, adaln: str, det) -> adaln_mod.AdaLNTable | None:
     if adaln == ADALN_NONE:
         if not det.has_adaln:
@@ -360,6 +373,7 @@ def load_dmd_model(path: str, adaln: str = ADALN_AUTO, compute: str = "auto", di
             n8 += 1
     if table is not None:
         adaln_mod.install(dm, table)
+        _refuse_adaln_lora(mp, table)
     mp.size = mm.module_size(mp.model)
     nq, wmode = 0, None
     if nvfp4:

@@ -260,3 +260,52 @@ def test_fused_block_serves_the_style_lora_beside_turbo(comfy, style, node):
     assert effect >= 10 * err, (effect, err, routes)
     if style_kind == "bypass":
         assert routes.get("module", 0) >= 4, routes      # the wrapped projections ran their own forward
+
+
+def test_fixed_adaln_tables_refuse_adaln_keys(comfy, style, tmp_path_factory):
+    """The TurboH3 DMD loader with its release's AdaLN table, and a fixed table patched onto a resident model
+    (``adaln.patch``): a LoRA on an AdaLN key is refused before sampling, naming the key and what to do."""
+    import folder_paths
+    import nodes
+    from safetensors.torch import save_file
+
+    from h3_turbo.tools.release import make_dmd_release
+
+    from corpus import PatchTable, turbo_av_prompt
+
+    root = tmp_path_factory.mktemp("style_dmd_models")
+    rel = make_dmd_release(str(root / "diffusion_models" / "zz_style_dmd" / "TurboH3-tiny"), adaln_dtype="fp32")
+    g = torch.Generator().manual_seed(0)
+    os.makedirs(root / "loras", exist_ok=True)
+    stem = "diffusion_model.blocks.0.adaln_proj.linear"
+    save_file({f"{stem}.lora_A.weight": torch.randn(2, 8, generator=g).to(torch.bfloat16),
+               f"{stem}.lora_B.weight": torch.randn(16, 2, generator=g).to(torch.bfloat16),
+               f"{stem}.alpha": torch.tensor(2.0)}, str(root / "loras" / "zz_style_adaln_only.safetensors"))
+    comfy.add_models_dir(root)
+    nodes.NODE_CLASS_MAPPINGS["H3TurboTestStylePatchTable"] = PatchTable
+    try:
+        lora = {"class_type": "LoraLoaderModelOnly", "inputs": {"model": ["1", 0], "strength_model": 1.0,
+                                                                "lora_name": "zz_style_adaln_only.safetensors"}}
+        p = {"1": {"class_type": "H3TurboDMDLoader", "inputs": {"model_name": "zz_style_dmd/TurboH3-tiny/",
+                                                                "adaln": "auto", "compute": "reference"}},
+             "2": lora, **turbo_av_prompt(["2", 0], prefixes=("h3t/sdmd_v", "h3t/sdmd_a"))}
+        with pytest.raises(PromptFailed) as e:
+            comfy.run(p)
+        assert "a LoRA on this MODEL patches 1 AdaLN / time-embedder weights" in str(e.value), str(e.value)
+        assert f"{stem}.weight" in str(e.value) and "adaln=none on Load TurboH3 DMD Model" in str(e.value)
+        # a fixed table as object patches on a resident model (the pack's own test node; the table: a cache file
+        # that adaln=table wrote for this model): refused as well
+        before = {os.path.join(r, f) for r, _, fs in os.walk(os.environ["H3_TURBO_ADALN_CACHE"]) for f in fs}
+        _run(comfy, _prompt(style, adaln="table", turbo=True))
+        after = {os.path.join(r, f) for r, _, fs in os.walk(os.environ["H3_TURBO_ADALN_CACHE"]) for f in fs}
+        table = sorted(after - before)[0] if after - before else sorted(after)[0]
+        p = _prompt(style, adaln="resident")
+        p["1t"] = {"class_type": "H3TurboTestStylePatchTable", "inputs": {"model": ["1", 0], "table": table}}
+        p["1s"] = dict(lora, inputs=dict(lora["inputs"], model=["1t", 0]))
+        p["2"]["inputs"]["model"] = ["1s", 0]
+        with pytest.raises(PromptFailed, match="without the fixed AdaLN table") as e:
+            comfy.run(p)
+        assert f"{stem}.weight" in str(e.value)
+    finally:
+        nodes.NODE_CLASS_MAPPINGS.pop("H3TurboTestStylePatchTable", None)
+    assert folder_paths.get_full_path("loras", "zz_style_adaln_only.safetensors")

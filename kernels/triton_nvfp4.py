@@ -66,11 +66,12 @@ def _nvfp4_gemm_kernel(x_ptr, q_ptr, s_ptr, gs_ptr, out_ptr, h_ptr, b_ptr, lora_
     """SWAP=False: acc[BM, BN] = x @ W^T (W through shared memory). SWAP=True: acc[BN, BM] = W @ x^T,
     the dequantized W is the register (A) operand of the tensor-core MMA (no shared-memory round trip).
     W is read from ComfyUI's NATIVE storage: qdata byte j of a row holds elements 2j (high nibble) and 2j+1;
-    block scales in the cuBLAS to_blocked layout (NCB4 = its column count / 4). Each 128-column block is two
-    64-column MMA operands in permuted K order: the high nibbles (elements 0, 2, .., 126) against x's even
-    columns, then the low nibbles against the odd columns. Both operands are plain 2-D [rows, 64] tiles decoded
-    elementwise from a [BN, 64] byte tile: no join/reshape feeds an MMA operand (Triton 3.6 cannot give such a
-    value the shared-memory layout the Hopper MMA reads, docs/kernels.md "GPU conformance")."""
+    block scales in the cuBLAS to_blocked layout (NCB4 = its column count / 4). Each 64-column half block is two
+    K=32 MMAs in permuted K order: the high nibbles (elements 0, 2, .., 62) against x's even columns, the low
+    nibbles against its odd columns (x loaded contiguous and split in registers). The weight operands are plain
+    2-D [BN, 32] tiles decoded elementwise from a [BN, 32] byte tile: no join/reshape feeds a weight MMA operand
+    (Triton 3.6 cannot give such a value the shared-memory layout the Hopper MMA reads, docs/kernels.md "GPU
+    conformance")."""
     pid = tl.program_id(0)
     num_pid_m = tl.cdiv(M, BM)
     num_pid_n = tl.cdiv(N, BN)
@@ -85,44 +86,44 @@ def _nvfp4_gemm_kernel(x_ptr, q_ptr, s_ptr, gs_ptr, out_ptr, h_ptr, b_ptr, lora_
     offs_n = pid_n * BN + tl.arange(0, BN)
     rm = offs_m % M
     rn = offs_n % N
-    jj = tl.arange(0, 64)
-    g8 = tl.arange(0, 8)
-    # bytes [BN, 64] of one 128-column block: byte j holds elements 2j (high nibble) and 2j + 1 (low nibble)
-    q_ptrs = q_ptr + rn[:, None] * stride_q + jj[None, :]
+    j32 = tl.arange(0, 32)
+    c64 = tl.arange(0, 64)
+    g4 = tl.arange(0, 4)
+    # bytes [BN, 32] of one 64-column half block: byte j holds elements 2j (high nibble) and 2j + 1 (low nibble)
+    q_ptrs = q_ptr + rn[:, None] * stride_q + j32[None, :]
     # swizzled scale offset of (row n, column c): tile (n//128, c//4), inside: (n%32)*16 + ((n%128)//32)*4 + c%4;
-    # the 8 scale columns of block kb are tile columns 2*kb (entries 0..3) and 2*kb + 1 (entries 0..3)
-    s_ptrs = (s_ptr + ((rn // 128) * (NCB4 * 512) + (rn % 32) * 16 + ((rn % 128) // 32) * 4)[:, None]
-              + ((g8 // 4) * 512 + g8 % 4)[None, :])
-    x_ptrs = x_ptr + rm[:, None] * stride_xm + 2 * jj[None, :]
+    # the 4 scale columns of half h of block kb are the tile column 2*kb + h, entries 0..3
+    s_ptrs = s_ptr + ((rn // 128) * (NCB4 * 512) + (rn % 32) * 16 + ((rn % 128) // 32) * 4)[:, None] + g4[None, :]
+    x_ptrs = x_ptr + rm[:, None] * stride_xm + c64[None, :]
     gs = tl.load(gs_ptr)
     if SWAP:
         acc = tl.zeros((BN, BM), dtype=tl.float32)
     else:
         acc = tl.zeros((BM, BN), dtype=tl.float32)
     for kb in range(0, NKB):
-        k0 = kb * 128
-        if EVEN_K:
-            p = tl.load(q_ptrs).to(tl.int32)
-            s8 = tl.load(s_ptrs).to(tl.int32)
-            xe = tl.load(x_ptrs)
-            xo = tl.load(x_ptrs + 1)
-        else:
-            # K % 16 == 0: a scale group of 16 columns (8 bytes) is all in or all out
-            mj = (k0 + 2 * jj) < K
-            p = tl.load(q_ptrs, mask=mj[None, :], other=0).to(tl.int32)
-            s8 = tl.load(s_ptrs, mask=((k0 + g8 * 16) < K)[None, :], other=0).to(tl.int32)
-            xe = tl.load(x_ptrs, mask=mj[None, :], other=0.0)
-            xo = tl.load(x_ptrs + 1, mask=mj[None, :], other=0.0)
-        # the scale of byte j (group j // 8), broadcast to [BN, 64]; gs applied after, as in the reference
-        sj = tl.reshape(tl.broadcast_to(_e4m3_x2p14(s8)[:, :, None], (BN, 8, 8)), (BN, 64))
-        w_e = _cast((_e2m1_x2m14(p >> 4) * sj) * gs, x_ptr.dtype.element_ty, INTERP)
-        w_o = _cast((_e2m1_x2m14(p & 15) * sj) * gs, x_ptr.dtype.element_ty, INTERP)
-        if SWAP:
-            acc = _mma(w_e, tl.trans(xe), acc, INTERP)
-            acc = _mma(w_o, tl.trans(xo), acc, INTERP)
-        else:
-            acc = _mma(xe, tl.trans(w_e), acc, INTERP)
-            acc = _mma(xo, tl.trans(w_o), acc, INTERP)
+        for h in tl.static_range(2):
+            k0 = kb * 128 + h * 64
+            if EVEN_K:
+                p = tl.load(q_ptrs + h * 32).to(tl.int32)
+                s4 = tl.load(s_ptrs + h * 512).to(tl.int32)
+                xx = tl.load(x_ptrs + h * 64)
+            else:
+                # K % 16 == 0: a scale group of 16 columns (8 bytes) is all in or all out
+                p = tl.load(q_ptrs + h * 32, mask=((k0 + 2 * j32) < K)[None, :], other=0).to(tl.int32)
+                s4 = tl.load(s_ptrs + h * 512, mask=((k0 + g4 * 16) < K)[None, :], other=0).to(tl.int32)
+                xx = tl.load(x_ptrs + h * 64, mask=((k0 + c64) < K)[None, :], other=0.0)
+            # x's even and odd columns (contiguous load, split in registers)
+            xe, xo = tl.split(tl.reshape(xx, (BM, 32, 2)))
+            # the scale of byte j (group j // 8), broadcast to [BN, 32]; gs applied after, as in the reference
+            sj = tl.reshape(tl.broadcast_to(_e4m3_x2p14(s4)[:, :, None], (BN, 4, 8)), (BN, 32))
+            w_e = _cast((_e2m1_x2m14(p >> 4) * sj) * gs, x_ptr.dtype.element_ty, INTERP)
+            w_o = _cast((_e2m1_x2m14(p & 15) * sj) * gs, x_ptr.dtype.element_ty, INTERP)
+            if SWAP:
+                acc = _mma(w_e, tl.trans(xe), acc, INTERP)
+                acc = _mma(w_o, tl.trans(xo), acc, INTERP)
+            else:
+                acc = _mma(xe, tl.trans(w_e), acc, INTERP)
+                acc = _mma(xo, tl.trans(w_o), acc, INTERP)
         q_ptrs += 64
         s_ptrs += 1024
         x_ptrs += 128

@@ -23,7 +23,8 @@ attention backend with compute exact, and per prompt length (1, 50, 256, 300 tex
 ``DEMO=realwidth`` (or ``tiny,realwidth``): the real-width random model (hidden 5376, 1 DiT + 2 refiner blocks,
 written to a temporary folder by ``tools.fixtures.make_fixtures``) at those lengths with exact and fp8.
 
-Writes ``$OUT/gpu_conformance_<gpu>.json`` (``<gpu>``: h100, h200, ...; ``dry_cpu`` for DRY) after every row.
+Writes ``$OUT/gpu_conformance_<gpu>.json`` (``<gpu>``: h100, h200, ...; ``dry_cpu`` for DRY) after every row that is
+not ok and at least every 2 s otherwise, at the end, and on SIGTERM (``timeout``).
 Exit status: 0 every row ok or refused; 1 some row neither; 3 none bad but ``DEADLINE`` (s) cut the run short.
 
 Run on the GPU machine from the repo root (after ``.dev/prep.sh``, which sets COMFYUI_PATH for the demo rows):
@@ -129,7 +130,15 @@ os.makedirs(OUT, exist_ok=True)
 _common.collect_logs(RES["log"], 400)
 
 
-def save():
+_LAST_SAVE = [0.0]
+
+
+def save(force: bool = True):
+    """Write the JSON (rows as they are so far); ``force=False``: only if the last write is over 2 s old (the file
+    grows with the rows: a write per row would cost O(rows^2))."""
+    if not force and time.perf_counter() - _LAST_SAVE[0] < 2.0:
+        return
+    _LAST_SAVE[0] = time.perf_counter()
     rows = RES["rows"] + RES["demo"]
     RES["summary"] = {"rows": len(rows), "ok": sum(1 for r in rows if r.get("ok")),
                       "refused": sum(1 for r in rows if r.get("refused")),
@@ -137,7 +146,7 @@ def save():
                       "skipped": sum(1 for r in rows if r.get("skipped")),
                       "elapsed_s": round(time.perf_counter() - T0, 1)}
     with open(FNAME + ".tmp", "w") as f:
-        json.dump(RES, f, indent=1, default=str)
+        json.dump(RES, f, default=str)
     os.replace(FNAME + ".tmp", FNAME)
 
 
@@ -152,7 +161,7 @@ def over_deadline() -> bool:
 
 def add(row: dict, table: str = "rows"):
     RES[table].append(row)
-    save()
+    save(force=not row.get("ok"))
     flag = "ok" if row.get("ok") else "REFUSED" if row.get("refused") else "skipped" if row.get("skipped") else "BAD"
     detail = row.get("error") or row.get("refused") or row.get("skipped") or ""
     print(f"{flag:8s} {row.get('path')} {row.get('shape')} M={row.get('M')} lora={row.get('lora')} "
@@ -565,6 +574,13 @@ def demo_runs():
 
 def main() -> int:
     print(json.dumps({k: RES[k] for k in ("gpu", "torch", "triton", "mode")}), "->", FNAME, flush=True)
+    import signal
+
+    def on_term(signum, frame):   # `timeout` stops the run: keep what it measured
+        RES["stopped"] = f"signal {signum} after {time.perf_counter() - T0:.0f} s"
+        save()
+        sys.exit(124)
+    signal.signal(signal.SIGTERM, on_term)
     if MODE in ("sweep", "all"):
         if QUICK_TUNE and not DRY:
             quick_tune()

@@ -32,7 +32,8 @@ Run on the GPU machine from the repo root (after ``.dev/prep.sh``, which sets CO
 Triton interpreter): ``DRY=1 OUT=/tmp/conf python benchmarks/gpu_conformance.py``.
 Env: OUT (default benchmarks/results), TAG (file name suffix), MODE (sweep | demo | all), PATHS, SHAPES, MS
 (comma lists), LORA (0, 1 or both), FUSED (0: no fused-kernel rows), ATTN (0: no attention rows), ATTN_S,
-QUICK_TUNE (0: Triton's own autotuning timings), DEADLINE (s, default 330),
+QUICK_TUNE (0: Triton's own autotuning timings), PARALLEL (0: one process; default 1 on the GPU: one process per
+group of paths, their rows merged), DEADLINE (s, default 330),
 DEMO_TIMEOUT (s per demo run, default 240), DEMO (tiny and/or realwidth).
 """
 from __future__ import annotations
@@ -110,6 +111,8 @@ QUICK_TUNE = os.environ.get("QUICK_TUNE", "1") == "1"
 ATTN = os.environ.get("ATTN", "1") == "1"
 ATTN_S = _list("ATTN_S", ATTN_S_DEFAULT, int)
 SAMPLE_ABOVE = 512
+#: the sweep in one process per group of paths (see parallel_sweep); default on the GPU
+PARALLEL = os.environ.get("PARALLEL", "0" if DRY else "1") == "1"
 
 
 def gpu_slug() -> str:
@@ -572,16 +575,78 @@ def demo_runs():
         add(row, "demo")
 
 
+def parallel_sweep() -> None:
+    """The sweep as one process per group of paths on the same GPU (``PARALLEL=1``): Triton compiles a process's
+    kernels one after another on one CPU core, and the compiles, not the GPU, are most of a cold run. Each child
+    writes its JSON into a temporary folder; their rows are merged here in group order."""
+    rest = [n for n in PATH_NAMES if n not in ("exact", "fp8", "fp8_lean", "int8")]
+    groups = [(["exact"], {}), (["fp8"], {}), (["fp8_lean"], {}), (["int8"], {}),
+              (rest, {"FUSED": os.environ.get("FUSED", "1"), "ATTN": "1" if ATTN else "0"})]
+    groups = [(g, e) for g, e in groups if [n for n in g if n in PATH_NAMES] or e]
+    tmp = tempfile.mkdtemp(prefix="h3conf_par_")
+    procs = []
+    for i, (names, extra) in enumerate(groups):
+        env = dict(os.environ, PARALLEL="0", MODE="sweep", OUT=tmp, TAG=f"part{i}",
+                   PATHS=",".join(n for n in names if n in PATH_NAMES) or "none", FUSED="0", ATTN="0",
+                   DEADLINE=str(max(1.0, DEADLINE - (time.perf_counter() - T0))))
+        env.update(extra)
+        procs.append(subprocess.Popen([sys.executable, os.path.abspath(__file__)], env=env))
+    _PAR.update(groups=groups, procs=procs, tmp=tmp)
+    for p in procs:
+        p.wait()
+    merge_parts()
+
+
+_PAR: dict = {}
+
+
+def merge_parts() -> None:
+    """Move the children's rows and log lines into RES (once), in group order; a child that wrote nothing or
+    crashed adds an error row."""
+    if not _PAR or _PAR.get("merged"):
+        return
+    _PAR["merged"] = True
+    groups, procs, tmp = _PAR["groups"], _PAR["procs"], _PAR["tmp"]
+    RES["parallel"] = {"groups": [g for g, _ in groups], "rc": [p.returncode for p in procs]}
+    for i in range(len(groups)):
+        f = [n for n in os.listdir(tmp) if n.endswith(f"_part{i}.json")]
+        if not f:
+            add({"path": f"group {groups[i][0]}", "shape": None, "M": None, "lora": None, "ok": False,
+                 "error": f"its process wrote no results (exit {procs[i].returncode})"})
+            continue
+        with open(os.path.join(tmp, f[0])) as fh:
+            part = json.load(fh)
+        RES["rows"] += part["rows"]
+        RES["log"] += part["log"]
+        RES.setdefault("quick_tune", part.get("quick_tune"))
+        if procs[i].returncode not in (0, 1, 3):
+            add({"path": f"group {groups[i][0]}", "shape": None, "M": None, "lora": None, "ok": False,
+                 "error": f"its process ended with exit {procs[i].returncode} after {len(part['rows'])} rows"
+                          + (f" ({part['stopped']})" if part.get("stopped") else "")})
+
+
 def main() -> int:
     print(json.dumps({k: RES[k] for k in ("gpu", "torch", "triton", "mode")}), "->", FNAME, flush=True)
     import signal
 
-    def on_term(signum, frame):   # `timeout` stops the run: keep what it measured
+    def on_term(signum, frame):   # `timeout` stops the run: keep what it (and its children) measured
         RES["stopped"] = f"signal {signum} after {time.perf_counter() - T0:.0f} s"
+        for p in _PAR.get("procs", []):
+            if p.poll() is None:
+                p.terminate()
+        for p in _PAR.get("procs", []):
+            try:
+                p.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+        merge_parts()
         save()
         sys.exit(124)
     signal.signal(signal.SIGTERM, on_term)
-    if MODE in ("sweep", "all"):
+    if MODE in ("sweep", "all") and PARALLEL:
+        parallel_sweep()
+    elif MODE in ("sweep", "all"):
         if QUICK_TUNE and not DRY:
             quick_tune()
         # exact first (issue 42's path), then the short kernel checks, then the other paths' long autotuning
@@ -592,7 +657,7 @@ def main() -> int:
             fused_sweep()
         if ATTN:
             attention_sweep()
-        linear_sweep([n for n in PATH_NAMES if n != "exact"])
+        linear_sweep([n for n in PATH_NAMES if n not in ("exact", "none")])
     if MODE in ("demo", "all"):
         demo_runs()
     save()

@@ -198,18 +198,18 @@ if triton is not None:
 
     @triton.jit
     def _kv_stats_finish_kernel(KP, VP, KM, VINV, VS, HMAX, N_PARTS, n_f, HEAD_DIM: tl.constexpr):
-        """One (b, h): the partials reduced once (:func:`_reduce_parts`, as ``_quant_kv_kernel``'s FROM_PARTS branch)
-        and stored (:func:`_store_stats`)."""
+        """One (b, h): the partials reduced once (:func:`_reduce_parts`) and stored (:func:`_store_stats`) for
+        ``_quant_kv_kernel``."""
         bh = tl.program_id(0)
         km, vs_p, vinv_p, vamax = _reduce_parts(KP, VP, bh, tl.num_programs(0), N_PARTS, n_f, HEAD_DIM)
         _store_stats(KM, VINV, VS, HMAX, bh, km, vs_p, vinv_p, vamax, HEAD_DIM)
 
     @triton.jit
-    def _quant_kv_kernel(K, V, KM, VM, VINV, K8, KS, VQ, KP, VP, VS, HMAX,
+    def _quant_kv_kernel(K, V, KM, VM, VINV, K8, KS, VQ,
                          skb, skh, skn, skd, svb, svh, svn, svd,
-                         H, N_K, N_KPAD, N_PARTS, n_f,
+                         H, N_K, N_KPAD,
                          HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, PV_FP8: tl.constexpr,
-                         V_MEAN: tl.constexpr, INTERP: tl.constexpr, FROM_PARTS: tl.constexpr,
+                         V_MEAN: tl.constexpr, INTERP: tl.constexpr,
                          V_PERM32: tl.constexpr, ROTATE: tl.constexpr = False):
         j = tl.program_id(0)
         bh = tl.program_id(1)
@@ -219,15 +219,10 @@ if triton is not None:
         offs_d = tl.arange(0, HEAD_DIM)
         valid = (offs_n < N_K)[:, None]
         nb = N_KPAD // BLOCK_N
-        if FROM_PARTS:   # the statistics from partial sums / maxima [N_PARTS, B*H, D] (kv_partial_stats)
-            km, vs_p, vinv_p, vamax = _reduce_parts(KP, VP, bh, tl.num_programs(1), N_PARTS, n_f, HEAD_DIM)
-            if j == 0:   # one program per head writes what the attention kernel and the caller read
-                _store_stats(KM, VINV, VS, HMAX, bh, km, vs_p, vinv_p, vamax, HEAD_DIM)
         # ---- K: smooth, per-block int8
         kp = _bhld_ptrs(K, b, h, offs_n, offs_d, skb, skh, skn, skd)
         k = tl.load(kp, mask=valid, other=0.0).to(tl.float32)
-        if not FROM_PARTS:
-            km = tl.load(KM + bh * HEAD_DIM + offs_d)
+        km = tl.load(KM + bh * HEAD_DIM + offs_d)
         ksm = tl.where(valid, k - km[None, :], 0.0)
         if ROTATE:      # (k - mean) H_D: padded rows stay zero
             ksm = _fwht(ksm, BLOCK_N, HEAD_DIM)
@@ -242,10 +237,7 @@ if triton is not None:
             vm = tl.load(VM + bh * HEAD_DIM + offs_d)
             v = tl.where(valid, v - vm[None, :], 0.0)
         if PV_FP8:
-            if FROM_PARTS:
-                vinv = vinv_p
-            else:
-                vinv = tl.load(VINV + bh * HEAD_DIM + offs_d)
+            vinv = tl.load(VINV + bh * HEAD_DIM + offs_d)
             v8 = tl.minimum(tl.maximum(v * vinv[None, :], -448.0), 448.0)
             if INTERP:
                 v8 = _rne_e4m3(v8)
@@ -568,19 +560,17 @@ def _v_scales(amax: torch.Tensor):
 
 
 def quantize_kv(k: torch.Tensor, v: torch.Tensor, config: dict | None = None, stats=None, parts=None,
-                num_warps: int | None = None, reduce_once: bool = True):
+                num_warps: int | None = None):
     """Pre-kernel: k, v [B, H, L, D] (bf16/fp16, any strides) -> dict with ``k8`` int8 [B*H, L_pad, D]
     (smoothed, per-block of BLOCK_N keys), ``ks`` float32 [B*H, L_pad/BLOCK_N], ``vq`` (e4m3
     [B*H, D, L_pad] if PV_FP8 else bf16 [B*H, L_pad, D]; with ``GLUON`` the keys of each 32 in the order of
     :mod:`.int8_gluon`'s P registers, ``v_perm32`` True), ``km``/``vm``/``vs``/``vinv`` float32 [B*H, D],
     ``n_kpad`` = L rounded up to BLOCK_N. Rows past L are written as zeros. ``stats``: (km, vm, vs, vinv)
     already computed (e.g. :func:`stats_from_sums`), else :func:`kv_stats` here. ``parts``: (ksum, vamax) partials
-    [R, B*H, D] (:func:`kv_partial_stats`; needs V_MEAN off and PV_FP8): reduced by Triton launches (no torch
-    op, see ``reduce_once``), ``vm`` is then None and the dict adds ``hmax`` float32 [B*H] (max |v| per (b, h)). ``num_warps``: the
+    [R, B*H, D] (:func:`kv_partial_stats`; needs V_MEAN off and PV_FP8): reduced once per head by a small Triton
+    launch before the pre-kernel (no torch op), ``vm`` is then None and the dict adds ``hmax`` float32 [B*H] (max |v| per (b, h)). ``num_warps``: the
     launch's (default 8 for the Gluon layout, 4 otherwise; the output does not depend on it: every reduction in the
-    kernel is a max or runs in a fixed order per element). ``reduce_once`` (with ``parts``): the partials are reduced
-    by one small launch per call (one program per head) instead of by every key-block program (False); the same
-    float32 ops in the same order, so the same bits (measurements: docs/kernels.md, "The statistics pass")."""
+    kernel is a max or runs in a fixed order per element)."""
     c = _cfg(config)
     B, H, L, D = k.shape
     bn = c["BLOCK_N"]
@@ -606,15 +596,12 @@ def quantize_kv(k: torch.Tensor, v: torch.Tensor, config: dict | None = None, st
         vq = torch.empty(B * H, D, npad, device=k.device, dtype=torch.float8_e4m3fn)
     else:
         vq = torch.empty(B * H, npad, D, device=k.device, dtype=torch.bfloat16)
-    from_parts = parts is not None and not reduce_once
-    if parts is not None and reduce_once:
+    if parts is not None:
         _kv_stats_finish_kernel[(B * H,)](kp, vp, km, vinv, vs, hmax, kp.shape[0], float(max(L, 1)), HEAD_DIM=D,
                                           num_warps=1 if INTERPRET else 4)
     _quant_kv_kernel[(npad // bn, B * H)](
-        k, v, km, vm if vm is not None else km, vinv, k8, ks, vq, kp, vp, vs, hmax if hmax is not None else km,
-        *k.stride(), *v.stride(), H, L, npad, kp.shape[0] if parts is not None else 0, float(max(L, 1)),
-        HEAD_DIM=D, BLOCK_N=bn, PV_FP8=c["PV_FP8"], V_MEAN=c["V_MEAN"], INTERP=INTERPRET,
-        FROM_PARTS=from_parts, V_PERM32=c["GLUON"], ROTATE=c["ROTATE"], num_warps=num_warps or (8 if c["GLUON"] else 4))
+        k, v, km, vm if vm is not None else km, vinv, k8, ks, vq, *k.stride(), *v.stride(), H, L, npad,
+        HEAD_DIM=D, BLOCK_N=bn, PV_FP8=c["PV_FP8"], V_MEAN=c["V_MEAN"], INTERP=INTERPRET, V_PERM32=c["GLUON"], ROTATE=c["ROTATE"], num_warps=num_warps or (8 if c["GLUON"] else 4))
     out = {"k8": k8, "ks": ks, "vq": vq, "km": km, "vm": vm, "vs": vs, "vinv": vinv, "n_kpad": npad,
            "v_perm32": c["GLUON"]}
     if hmax is not None:
@@ -767,15 +754,15 @@ def _launch(q, q8, qs, q8_strides, nqpad, kv, out, out_layout, fp8_scales, B, H,
 
 def sage_attention_prequantized(q8: torch.Tensor, qs: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                                 ksum: torch.Tensor, vamax: torch.Tensor, scale: float | None = None,
-                                config: dict | None = None, out_fp8: bool = False, reduce_once: bool = True):
+                                config: dict | None = None, out_fp8: bool = False):
     """8-bit attention of one sequence whose Q is already quantized per row by its producer
     (:func:`h3_turbo.kernels.fused.qk_norm_rope_sage`) and whose K/V statistics it summed: the ``Q_ROW`` math of
     :func:`sage_attention` (module docstring) without the Q pre-kernel and the K/V statistics pass.
 
     q8 int8 [L, H, D] (token-major, contiguous); qs float32 [L, H] (``max|q_row| / 127`` per row and head);
     k, v [1, H, L, D] bf16/fp16 views (any strides); ksum / vamax float32 (sum of k, max |v| over the L
-    tokens) as [R, H, D] partials (:func:`kv_partial_stats`; R = 1 for whole sums), reduced by the K/V pre-kernel
-    (``reduce_once``: :func:`quantize_kv`'s, the same bits either way); every
+    tokens) as [R, H, D] partials (:func:`kv_partial_stats`; R = 1 for whole sums), reduced once per head before the
+    K/V pre-kernel (:func:`quantize_kv`); every
     scale of the route is computed by the kernels (no torch op between the launches). ``scale`` > 0 (default D ** -0.5). ``config``: launch configuration (default
     :func:`tuned_config`); ``Q_ROW`` and ``QPRE`` are forced on, ``V_MEAN`` must be off and ``PV_FP8`` on. With
     ``ROTATE`` (the default) q8 / qs must be of the Hadamard-rotated q (``qk_norm_rope_sage(rotate=True)``); K is
@@ -819,7 +806,7 @@ def sage_attention_prequantized(q8: torch.Tensor, qs: torch.Tensor, k: torch.Ten
         why = int8_gluon.available(k.device)
         if why is not None:
             raise NoCapablePathError(f"attention_int8.prequantized: config GLUON on {k.device}: {why}")
-    kv = quantize_kv(k, v, c, parts=(ksum, vamax), reduce_once=reduce_once)
+    kv = quantize_kv(k, v, c, parts=(ksum, vamax))
     if out_fp8:
         sx = torch.empty((L, 1), device=k.device, dtype=torch.float32)
         out = torch.empty((1, L, H * D), device=k.device, dtype=torch.float8_e4m3fn)

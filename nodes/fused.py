@@ -24,7 +24,7 @@ class H3TurboFusedBlocks(io.ComfyNode):
             category=CATEGORY,
             description="Runs each DiT block of an H3 MODEL loaded with compute=fp8 as one fused fp8 block: the "
                         "norm, AdaLN modulation, SwiGLU and gated residual write the fp8 GEMM inputs directly "
-                        "instead of bf16 round trips. About 7% faster per forward on an H200; the result moves "
+                        "instead of bf16 round trips: a faster forward (measured in docs/kernels.md); the result moves "
                         "about 1% from the unfused fp8 path (it quantizes the same tensors, in other kernels). "
                         "Needs a CUDA GPU; elsewhere core's blocks run.",
             inputs=[

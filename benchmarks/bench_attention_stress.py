@@ -69,7 +69,11 @@ def ensure_fa3(log):
         r = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", wheels[-1]], capture_output=True,
                            text=True)
         log.append(f"pip install --no-deps {os.path.basename(wheels[-1])}: rc {r.returncode} {r.stderr[-300:]}")
+        import importlib
+
+        importlib.invalidate_caches()          # the new module is found by this process's import system
         fa3._STATE.clear()
+        log.append(f"fa3 after the install: {fa3.available() or 'importable'}")
 
 
 def timer(fn):

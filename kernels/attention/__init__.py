@@ -10,7 +10,9 @@ fallback):
 
 :mod:`.registry` orders them (the node's combo) and is re-exported here: :func:`choices`, :func:`resolve`,
 :func:`get`, :func:`apply`, ... Shared pieces: :mod:`.base` (core's call convention), :mod:`.reference`
-(eager attention and error measures). Process state lives in :mod:`h3_turbo.state` (``ATTENTION_*``).
+(eager attention and error measures), :mod:`.guard` (the approximate backends' per-layer accuracy check),
+:mod:`.stress` (the outlier stress corpus the 8-bit paths are tested on), :mod:`.fa3` (FlashAttention-3, a candidate
+of ``exact``). Process state lives in :mod:`h3_turbo.state` (``ATTENTION_*``).
 Torch only; ComfyUI is imported by ``sdpa_core`` on use. Adding a backend: ``docs/EXTENDING.md``.
 """
 from .registry import AUTO, DEFAULT, apply, backends, choices, description, get, names, register, resolve, unregister

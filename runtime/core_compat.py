@@ -1,6 +1,7 @@
 """The shapes of core's hook points that differ between ComfyUI releases, read from the core in use with
 ``getattr`` (never from a version number). ``hook_points()`` reports every variant found
-(tests/test_core_compat.py prints it); docs/h3-facts.md ("Newer core") states each with its source.
+(tests/test_reliability2.py prints it); docs/h3-facts.md ("Newer core") and docs/compat.md state each with its
+source.
 
 - :func:`fc2_bypass`: when core's H3 MLP (``comfy.ops.linear_input_act(fc2, fc1(x), "swiglu")``) computes
   ``fc2`` without calling ``fc2.forward``: ``"int8"`` (0.33: TensorWiseINT8 weights, comfy-kitchen's fused

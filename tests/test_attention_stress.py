@@ -185,11 +185,11 @@ def test_auto8_runs_unguarded_copies_of_guarded_candidates(monkeypatch):
 
     orig = C.CudnnFP8Attention(fallback=A.cpu_exact(), devices=("cpu",), emulate=True, guard=G.LayerGuard("x"))
     fake = SimpleNamespace(supports=lambda d: (True, ""), override=lambda: orig)
-    monkeypatch.setattr(registry, "names", lambda: ("cudnn_fp8",))
+    monkeypatch.setattr(registry, "names", lambda: ("int8_sage",))
     monkeypatch.setattr(registry, "get", lambda n: fake)
     a8 = auto8.Auto8Attention(exact_override=A.cpu_exact(), devices=("cpu",), guard=G.LayerGuard("auto8"))
-    c1 = a8.candidates("cpu")["cudnn_fp8"]
-    c2 = a8.candidates("cpu")["cudnn_fp8"]
+    c1 = a8.candidates("cpu")["int8_sage"]
+    c2 = a8.candidates("cpu")["int8_sage"]
     assert c1 is c2 and c1 is not orig and c1.guard is None and orig.guard is not None and c1.emulate
 
 
@@ -314,7 +314,7 @@ def test_interp_int8_override_guard_runs_a_failing_layer_exact(caplog):
 
 @interp
 def test_interp_auto8_with_its_guard_on_every_case(caplog):
-    """auto8 (CPU candidates: int8_sage interpreted, cudnn_fp8's model) over one forward whose six attention layers see
+    """auto8 (CPU candidate: int8_sage interpreted) over one forward whose six attention layers see
     the six cases at one shape: its per-bucket choice is made on the first layer only; the guard checks every layer,
     and every layer's output is within the bound (a layer the choice does not serve runs exact)."""
     from h3_turbo.kernels.attention import auto8

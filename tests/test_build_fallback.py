@@ -134,8 +134,34 @@ def test_fused_gemm_compiles_for_sm90_at_every_pickable_config(idx, variant, tmp
              "NCB4", "NB", "M_BUCKET"] + ([] if lora else ["M"])
     k = _compile_sm90(monkeypatch, tmp_path, tk._nvfp4_gemm_kernel, types, consts, div16, c.num_warps,
                       c.num_stages, full=not lora)
-    if k is not None:   # the tensor-core MMA is there (wgmma for 64+ row x @ W^T tiles, mma.sync otherwise)
-        assert "mma" in k.asm["ptx"]
+    if k is None:
+        return
+    assert "mma" in k.asm["ptx"]   # the tensor-core MMA is there (wgmma for 64+ row tiles, mma.sync otherwise)
+    if c.kwargs["BM"] <= 64:
+        # the tiles prompts of up to 256 tokens run: every operand load an async copy (the scalar global scale aside)
+        # and no register spill (the weight-bandwidth-bound small-row case; docs/kernels.md "GPU conformance")
+        assert k.asm["ptx"].count("ld.global") <= 3, k.asm["ptx"].count("ld.global")
+        assert "cp.async" in k.asm["ptx"]
+        assert _ptxas_spill_bytes(k.asm["ptx"], tmp_path) == 0
+
+
+def _ptxas_spill_bytes(ptx: str, tmp_path) -> int:
+    """Spill stores + loads that the bundled ptxas reports (``-v``) for this PTX on sm_90a."""
+    import re
+    import subprocess
+
+    import triton
+
+    ptxas = os.environ.get("TRITON_PTXAS_PATH") or os.path.join(os.path.dirname(triton.__file__), "backends",
+                                                                 "nvidia", "bin", "ptxas")
+    src = tmp_path / "k.ptx"
+    src.write_text(ptx)
+    rep = subprocess.run([ptxas, "-arch=sm_90a", "-v", str(src), "-o", str(tmp_path / "k.cubin")],
+                         capture_output=True, text=True, timeout=300)
+    assert rep.returncode == 0, rep.stderr[-2000:]
+    m = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", rep.stdout + rep.stderr)
+    assert m, rep.stdout + rep.stderr
+    return int(m.group(1)) + int(m.group(2))
 
 
 #: fold_weight's launches (the ``full`` / ``tiled`` strategies above 256 rows, fp8 weights=lean and its LoRA fold):

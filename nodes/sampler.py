@@ -114,7 +114,9 @@ class H3TurboSampler(io.ComfyNode):
                         "SamplerCustomAdvanced: deterministic Euler steps, one model call per step, with video on "
                         "the SIGMAS and audio on its own shifted grid, each kept as a separate state. It checks the "
                         "Turbo adapter's contract when sampling starts (step count, sigmas, shifts, no CFG, no "
-                        "EasyCache/LazyCache) and stops with an error naming what is wrong. " + NO_CONTRACT_SAMPLER,
+                        "EasyCache/LazyCache) and stops with an error naming what is wrong. A latent noise_mask "
+                        "(inpainting, video or audio extension) works as with core's samplers: masked-out tokens "
+                        "keep the latent's values. " + NO_CONTRACT_SAMPLER,
             inputs=[
                 io.Combo.Input("state_dtype", options=list(training_euler.STATE_DTYPES), default="fp32",
                                optional=True,

@@ -2,7 +2,8 @@
 
 The handler only reads cached state (``h3_turbo.state`` and the Turbo LoRA scanner's status): it never
 hashes or loads a file. Turbo files are found by :mod:`h3_turbo.adapters.scan` in a background thread
-started by :func:`register_routes` (and re-started, or queued behind a running scan, by ``?rescan=1``).
+started by :func:`register_routes` (and re-started, or queued behind a running scan, by ``?rescan=1``, at most
+every ``RESCAN_MIN_INTERVAL_S``).
 
 Response (JSON object; README "Hot API" is the user-facing copy of this list):
   ``ready`` (bool: the pack's nodes are registered and the first listing of the loras folders is done),
@@ -18,7 +19,8 @@ Response (JSON object; README "Hot API" is the user-facing copy of this list):
   layers_nvfp4, kernel_extra_bytes, kernel_workspace_bytes, loaded_at}}), ``adapter_loads`` ({loads, hits,
   evictions}: Turbo LoRA file reads / cache hits / evictions), ``scan`` (the background scanner: {state,
   started_at, listed_at, finished_at, pending_hashes, files_seen, error, scans_started, scans_completed,
-  requested}: the listing a ``?rescan=1`` asked for is complete once ``scans_completed >= requested``), ``nodes``
+  requested}, and for ``?rescan=1`` ``rescan``: "started", "queued" or "throttled" (+ ``retry_in_s``); the listing
+  a started or queued re-scan gives is complete once ``scans_completed >= requested``), ``nodes``
   (registered node ids of the pack), ``time`` (the server's unix time of this answer), ``device`` ({name, type}), ``versions``
   ({h3_turbo, comfyui, torch}).
 """
@@ -30,6 +32,7 @@ from . import state
 from .logs import log
 
 ROUTE = "/h3turbo/ready"
+RESCAN_MIN_INTERVAL_S = 5.0
 AUTO_RESCAN_S = 30.0
 
 _registered = False
@@ -166,14 +169,21 @@ def register_routes(server=None, node_classes=None) -> bool:
         global _last_rescan
         now = time.monotonic()
         forced = request.query.get("rescan") in ("1", "true", "yes")
-        # ?rescan=1 starts a scan (or queues one behind the running one: scan.requested says which); otherwise a
-        # background re-scan when the last one is older than AUTO_RESCAN_S (headers + stat only; hashes are cached
-        # per path+size+mtime), so files added or replaced in the loras folders show up without a restart. The
-        # answer is never delayed.
-        if forced or now - _last_rescan >= AUTO_RESCAN_S:
+        # ?rescan=1 at most every RESCAN_MIN_INTERVAL_S (it starts a scan, or queues one behind the running one:
+        # scan.requested says which; else scan.rescan = "throttled" with the seconds to wait); otherwise a background
+        # re-scan when the last one is older than AUTO_RESCAN_S (headers + stat only; hashes are cached per
+        # path+size+mtime), so files added or replaced in the loras folders show up without a restart. The answer
+        # is never delayed.
+        outcome = None
+        if now - _last_rescan >= (RESCAN_MIN_INTERVAL_S if forced else AUTO_RESCAN_S):
             _last_rescan = now
-            SCANNER.start()
-        return web.json_response(ready_payload(), dumps=_dumps)
+            outcome = "started" if SCANNER.start() else "queued"
+        payload = ready_payload()
+        if forced:
+            payload["scan"]["rescan"] = outcome or "throttled"
+            if outcome is None:
+                payload["scan"]["retry_in_s"] = round(RESCAN_MIN_INTERVAL_S - (now - _last_rescan), 3)
+        return web.json_response(payload, dumps=_dumps)
 
     server.routes.get(ROUTE)(h3turbo_ready)
     _registered = True

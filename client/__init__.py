@@ -178,34 +178,43 @@ class Client:
 
     def ready(self, rescan: bool = False, wait: float = 60.0) -> dict:
         """JSON of ``GET /h3turbo/ready`` (tries ``/api/h3turbo/ready`` too). ClientError if neither answers 200.
-        ``rescan``: asks for a re-scan of the loras folders (``?rescan=1``) and polls until that scan has listed
-        and checked the files (``scan.scans_completed >= scan.requested``), at most ``wait`` seconds (then
-        ClientError); a server without those fields (an older pack) is answered after its first reply."""
+        ``rescan``: asks for a re-scan of the loras folders (``?rescan=1``; asked again after ``scan.retry_in_s``
+        while the server throttles it) and polls until that scan has listed and checked the files
+        (``scan.scans_completed >= scan.requested``), at most ``wait`` seconds (then ClientError); a server without
+        those fields (an older pack) is answered after its first reply."""
         last = None
         for path in ("/h3turbo/ready", "/api/h3turbo/ready"):
             r = self._get(path, **({"rescan": 1} if rescan else {}))
             if r.status_code == 200:
-                body = r.json()
-                if not rescan:
-                    return body
-                return self._wait_scan(path, body, wait)
+                return self._wait_scan(path, r.json(), wait) if rescan else r.json()
             last = f"GET {self.server}{path}: HTTP {r.status_code}: {r.text[:300]}"
         raise ClientError(f"{last} (is the H3 Turbo pack loaded in this ComfyUI?)")
 
+    def _get_ok(self, path: str, **query) -> dict:
+        r = self._get(path, **query)
+        if r.status_code != 200:
+            raise ClientError(f"GET {self.server}{path}: HTTP {r.status_code}: {r.text[:300]}")
+        return r.json()
+
     def _wait_scan(self, path: str, body: dict, wait: float) -> dict:
-        want = (body.get("scan") or {}).get("requested")
-        if want is None:
-            return body
         t_end = time.monotonic() + wait
-        while (body.get("scan") or {}).get("scans_completed", 0) < want:
+
+        def check_time():
             if time.monotonic() > t_end:
                 raise ClientError(f"GET {self.server}{path}?rescan=1: the re-scan of the loras folders did not "
                                   f"finish within {wait:g} s (scan: {body.get('scan')})")
+
+        while (body.get("scan") or {}).get("rescan") == "throttled":
+            check_time()
+            time.sleep(min(max(float(body["scan"].get("retry_in_s") or 0.5), 0.05), 5.0))
+            body = self._get_ok(path, rescan=1)
+        want = (body.get("scan") or {}).get("requested")
+        if want is None:
+            return body
+        while (body.get("scan") or {}).get("scans_completed", 0) < want:
+            check_time()
             time.sleep(0.25)
-            r = self._get(path)
-            if r.status_code != 200:
-                raise ClientError(f"GET {self.server}{path}: HTTP {r.status_code}: {r.text[:300]}")
-            body = r.json()
+            body = self._get_ok(path)
         return body
 
     def queue(self, prompt: dict, client_id: str) -> str:

@@ -1,6 +1,7 @@
 """``python -m h3_turbo.client``: a server that does not answer is one line naming the URL, and
 ``ready --rescan`` waits for the re-scan the request asked for (``scan.requested`` / ``scans_completed`` of
-``GET /h3turbo/ready``, adapters/scan.py), so a LoRA file dropped into the loras folder is listed at once."""
+``GET /h3turbo/ready``, adapters/scan.py; asked again when the server throttles it), so a LoRA file dropped into the
+loras folder is listed by the answer."""
 from __future__ import annotations
 
 import os
@@ -66,7 +67,7 @@ def test_ready_rescan_lists_a_new_lora_file_at_once(server):
     folder.mkdir(parents=True, exist_ok=True)
     c = Client(server["url"])
     try:
-        for i in range(3):      # each time a new name: listed by the answer of ready(rescan=True) itself
+        for i in range(2):      # a new name each time, the second within the server's 5 s throttle of ?rescan=1
             shutil.copy(server["models"]["lora_4step"], folder / f"new_{i}.safetensors")
             body = c.ready(rescan=True, wait=60)
             files = {os.path.basename(t["path"]) for t in body["available_turbos"]

@@ -17,11 +17,13 @@ others with a "lora key not loaded" log line:
 """
 from __future__ import annotations
 
+import logging
 import re
 
 import torch
 
 from ..errors import InputError
+from ..logs import log_once
 
 #: core key names (without ``diffusion_model.``) of the weights an AdaLN table stands for
 _ADALN_KEY = re.compile(r"^(blocks\.\d+\.adaln_proj\.|final_layer\.adaln_proj\.|time_embedder\.)")
@@ -71,7 +73,8 @@ def _bypass_adapters(model_patcher) -> dict[str, float]:
     except ImportError:                      # a core without bypass LoRAs
         return {}
     out: dict[str, float] = {}
-    for injs in (getattr(model_patcher, "injections", None) or {}).values():
+    for name, injs in (getattr(model_patcher, "injections", None) or {}).items():
+        found = False
         for inj in injs:
             for cell in getattr(getattr(inj, "inject", None), "__closure__", None) or ():
                 try:
@@ -79,8 +82,13 @@ def _bypass_adapters(model_patcher) -> dict[str, float]:
                 except ValueError:
                     continue
                 if isinstance(obj, BypassInjectionManager):
+                    found = True
                     for k, (_, strength) in obj.adapters.items():
                         out[k] = float(strength)
+        if name == "bypass_lora" and not found:
+            log_once(("adaln-lora-bypass-unread", name), "H3 Turbo: this ComfyUI's bypass LoRA injection could not be "
+                     "read (no BypassInjectionManager in it): if that LoRA has AdaLN / time-embedder keys, they do not "
+                     "apply to a model whose AdaLN is a table (adaln=resident applies them)", level=logging.WARNING)
     return out
 
 

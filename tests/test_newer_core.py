@@ -1,4 +1,4 @@
-"""Issue 39: the ComfyUI cores users run (torch only, no ComfyUI import here).
+"""Issue 39: the ComfyUI cores users run (torch only, no ComfyUI import here, except one subprocess test).
 
 - Multi-GPU pickling of classes and functions from modules that ComfyUI names by their file path, with a
   dot-directory in that path (``~/.local/ComfyUI``): pickle's by-name reference fails there; the pack's reference to
@@ -9,14 +9,18 @@
 from __future__ import annotations
 
 import importlib.util
+import os
 import pickle
+import shutil
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 import torch
 
+REPO = Path(__file__).resolve().parent.parent
 MODULE = """
 class Guider:
     def __init__(self):
@@ -116,3 +120,23 @@ def test_segment_rows_takes_per_token_rows_and_checks_them():
         fk.segment_rows([(0, 2, 1), (2, 5, t)], 5, "cpu", limit=7)
     with pytest.raises(ValueError, match=r"mod_segments\[1\].*float32 tensor"):
         fk.segment_rows([(0, 2, 1), (2, 5, t.float())], 5, "cpu")
+
+
+@pytest.mark.comfyui
+@pytest.mark.multigpu
+@pytest.mark.skipif(os.environ.get("H3T_SECOND_CORE_RUN") == "1", reason="the second-core run already runs from a "
+                    "dot-directory")
+def test_multigpu_with_comfyui_under_a_dot_directory(tmp_path):
+    """The user's report: ComfyUI in ``<somewhere>/.apps/ComfyUI`` (a copy of $COMFYUI_PATH; ComfyUI resolves
+    symlinks, so a link would not reproduce it): core's graph sharded on 2 gloo workers equals one process
+    (tests/test_multigpu.py's base-path test, in a subprocess that boots this copy)."""
+    from h3_turbo.harness import find_comfyui
+
+    dst = tmp_path / ".apps" / "ComfyUI"
+    shutil.copytree(find_comfyui(), dst, ignore=shutil.ignore_patterns(".git", "__pycache__"), symlinks=True)
+    env = dict(os.environ, COMFYUI_PATH=str(dst), H3T_SECOND_CORE_RUN="1")
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                           "tests/test_multigpu.py", "-k", "base_path"], cwd=REPO, env=env, capture_output=True,
+                          text=True, timeout=1200)
+    tail = proc.stdout[-4000:] + proc.stderr[-2000:]
+    assert proc.returncode == 0 and "1 passed" in proc.stdout, tail

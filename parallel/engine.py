@@ -6,8 +6,8 @@ Contract (one sequence-parallel group of N ranks, every rank running the same fo
   ``transformer_options["patches_replace"]["dit"][("double_block", i)]`` (``MiniMaxH3Model._forward``). At block 0
   the hook pads the packed sequence h [S, hidden] to N*L rows (L = ceil(S/N), zero rows at the end) and keeps rows
   [rank*L, (rank+1)*L); ``mod_segments`` are cut to the local rows (a per-token row tensor of a newer core with them)
-  and ``rope_freqs`` [1, S, 1, r, 2, 2] sliced (zero rows for the padding). Each block then runs on the local rows only (core's own block, or the hook that was there
-  before: it is called with the shard, never replaced). After the last block the hook all-gathers the rows and trims
+  and ``rope_freqs`` [1, S, 1, r, 2, 2] sliced (zero rows for the padding). Each block then runs on the local rows
+  only (core's own block, or the hook that was there before: it is called with the shard, never replaced). After the last block the hook all-gathers the rows and trims
   the padding, so core's final layer sees the full sequence [S, hidden] on every rank.
 - :class:`UlyssesAttention` is the attention override (``transformer_options["optimized_attention_override"]``). While a
   block runs sharded it takes core's call (q, k, v [1, H, L, D], ``skip_reshape``), stacks q/k/v and exchanges them with

@@ -89,11 +89,12 @@ def mod_rows() -> str:
 
 
 def check_mod_row(row, n: int, where: str):
-    """The modulation row of one segment of ``n`` rows, as core's ``_mod_row`` reads it: an int (also a 0-d integer
-    tensor, returned as int) or an integer index tensor [n] (returned as it is). Anything else is a ValueError naming
-    ``where``, the row's type / shape and the ComfyUI version (a core whose modulation rows the pack does not know)."""
+    """The modulation row of one segment of ``n`` rows, as core's ``_mod_row`` reads it: an int (also a 0-d int64 /
+    int32 tensor, returned as int) or an int64 / int32 index tensor [n] (returned as it is). Anything else is a
+    ValueError naming ``where``, the row's type / shape and the ComfyUI version (a core whose modulation rows the
+    pack does not know)."""
     if isinstance(row, torch.Tensor):
-        if not row.dtype.is_floating_point and not row.dtype.is_complex and row.dtype != torch.bool:
+        if row.dtype in (torch.int64, torch.int32):        # (uint8 / bool would index as a mask)
             if row.ndim == 0:
                 return int(row)
             if row.ndim == 1 and row.shape[0] == n:
@@ -103,8 +104,8 @@ def check_mod_row(row, n: int, where: str):
         return row
     else:
         what = f"a {type(row).__name__}"
-    raise ValueError(f"{where}: core's modulation row is {what}; the pack knows an int or an integer index tensor "
-                     f"with one entry per row of the segment ({n}) (ComfyUI {core_version()})")
+    raise ValueError(f"{where}: core's modulation row is {what}; the pack knows an int or an int64 / int32 index "
+                     f"tensor with one entry per row of the segment ({n}) (ComfyUI {core_version()})")
 
 
 def hook_points() -> dict[str, str]:

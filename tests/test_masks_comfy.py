@@ -1,5 +1,6 @@
 """Issue 39: masked H3 sampling (a latent ``noise_mask`` on video and/or audio) through the real ComfyUI, tiny model on
-the CPU, on whichever core ``COMFYUI_PATH`` names (the suite re-runs this file on the newer core, tests/test_second_core.py).
+the CPU, on whichever core ``COMFYUI_PATH`` names (the suite re-runs this file on the newer core,
+tests/test_second_core.py).
 
 - H3 Turbo Sampler with a mask against core's ``euler`` with the same mask at the same sigmas (core's
   ``KSamplerX0Inpaint`` masks both; on a newer core the model also gets per-token modulation rows): the same result
@@ -66,7 +67,8 @@ def graph(*, sampler="turbo", video="first_frame", audio="first_half", steps=4, 
     core's ``sampler`` on BasicScheduler simple) -> keep."""
     _SEQ[0] += 1
     tag = f"mask{_SEQ[0]}"
-    loader = {"class_type": "UNETLoader", "inputs": {"unet_name": "h3_tiny_bf16.safetensors", "weight_dtype": "default"}}
+    loader = {"class_type": "UNETLoader",
+              "inputs": {"unet_name": "h3_tiny_bf16.safetensors", "weight_dtype": "default"}}
     if adaln is not None:
         loader = {"class_type": "H3TurboNVFP4Loader", "inputs": {"unet_name": "h3_tiny_bf16.safetensors",
                                                                 "compute": "reference", "adaln": adaln}}
@@ -98,7 +100,8 @@ def graph(*, sampler="turbo", video="first_frame", audio="first_half", steps=4, 
                                                             "denoise": 1.0}}
         p["8"] = {"class_type": "KSamplerSelect", "inputs": {"sampler_name": sampler}}
     p["9"] = {"class_type": "RandomNoise", "inputs": {"noise_seed": seed}}
-    p["10"] = {"class_type": "EmptyMiniMaxH3LatentAV", "inputs": {"width": size[0], "height": size[1], "length": size[2]}}
+    p["10"] = {"class_type": "EmptyMiniMaxH3LatentAV",
+               "inputs": {"width": size[0], "height": size[1], "length": size[2]}}
     p["10m"] = {"class_type": "H3TurboTestMaskLatent", "inputs": {"latent": ["10", 0], "seed": 5, "video": video,
                                                                   "audio": audio}}
     p["11"] = {"class_type": "SamplerCustomAdvanced", "inputs": {"noise": ["9", 0], "guider": ["6", 0],

@@ -99,6 +99,7 @@ def test_shard_cuts_per_token_rows_with_the_rows():
     assert got[0][:2] == (0, 5) and got[0][2].tolist() == [6, 6, 9, 9, 3] and got[1] == (5, 6, 2)
     assert local_segments([(0, 4, torch.tensor(5))], 0, 2) == [(0, 2, 5)]           # a 0-d tensor is an index
     for bad, what in ((torch.zeros(7), r"torch.float32 tensor of shape \(7,\)"),
+                      (torch.zeros(7, dtype=torch.uint8), r"torch.uint8 tensor of shape \(7,\)"),
                       (torch.zeros(6, dtype=torch.long), r"torch.int64 tensor of shape \(6,\)"), ("x", "a str")):
         with pytest.raises(SequenceParallelError, match=rf"modulation row is (a )?{what}.*one entry per row of the "
                                                         r"segment \(7\) \(ComfyUI "):

@@ -71,7 +71,8 @@ def test_comfyui_tests_pass_on_the_second_core(tmp_path_factory, capsys):
     shutil.copytree(core, dst, ignore=shutil.ignore_patterns(".git", "__pycache__"), symlinks=True)
     env = dict(os.environ, COMFYUI_PATH=str(dst), **{CHILD_ENV: "1"})
     env.pop("COMFYUI_NEXT_PATH", None)
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "comfyui and not browser and not server",
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+           "-m", "comfyui and not browser and not server",
            *_selection()]
     t0 = time.monotonic()
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)

@@ -253,8 +253,9 @@ def test_process_state_lives_in_named_stores():
 OLD_NODE_DESCRIPTION = (
     "Attention backend for this model only. auto = exact: exact SDPA with the backend measured fastest on this "
     "GPU at first use (cuDNN on Hopper); core's path on CPU. sdpa_core: core's PyTorch attention (FA2 first), "
-    "for comparison. int8_sage: 8-bit attention (INT8 Q.K, FP8 P.V; approximate, ~4% relative error per call, "
-    "cosine >= 0.999; about 1.3x faster than exact on an H200); needs a GPU with FP8 (sm_89+), else exact.")
+    "for comparison. int8_sage: 8-bit attention (Hadamard-rotated INT8 Q.K, FP8 P.V; approximate, ~4% relative "
+    "error per call; each layer checked once, a failing layer runs exact; faster than exact on Hopper, "
+    "docs/attention.md); needs a GPU with FP8 (sm_89+), else exact.")
 #: issue 21 appended the new backends' sentences (their summaries) after the old description
 OLD_NODE_DESCRIPTION += "".join(f" {n}: {R.get(n).summary}" for n in EXPECTED_CHOICES[4:])
 WITH_FALLBACK = [b.name for b in R.backends() if b.fallback is not None]

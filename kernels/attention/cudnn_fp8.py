@@ -253,8 +253,9 @@ class CudnnFP8Backend(AttentionBackend):
     nvidia-cudnn-frontend imports (:meth:`available`)."""
 
     name = NAME
-    summary = ("cuDNN FP8 attention (nvidia-cudnn-frontend; per-tensor FP8 q/k/v/P/output, approximate: ~6% relative "
-               "error per call on an H200, cosine ~0.998); needs sm_90+, else exact.")
+    summary = ("cuDNN FP8 attention (nvidia-cudnn-frontend; per-tensor FP8 q/k/v/P/output, approximate: ~7% relative "
+               "error per call on well-spread inputs, more with outlier channels; each layer checked once, a failing "
+               "layer runs exact); needs sm_90+, else exact.")
     approximate = True
     fallback = "exact"
     apply_note = ("cuDNN FP8 attention (cudnn_fp8) on this MODEL: approximate, ~6% relative per attention call; "

@@ -6,7 +6,7 @@ see :mod:`.base`) for CUDA bf16/fp16 inputs with head dim 64 or 128, no mask, no
 tensor cores (compute capability >= 8.9), Triton importable; output in core's layout and q's dtype.
 Every other call (and a call whose kernel raises) runs the ``exact`` backend instead, each reason logged
 once. Tested bound against float32 attention: :attr:`Int8SageBackend.tolerance`; measured accuracy and
-speed on the H200: ``docs/attention.md``. Triton is imported on first use only.
+speed: ``docs/attention.md``. Triton is imported on first use only.
 """
 from __future__ import annotations
 
@@ -149,8 +149,9 @@ class Int8SageBackend(AttentionBackend):
     """``int8_sage``: :func:`int8_override` on the model; approximate, so never what ``auto`` picks."""
 
     name = NAME
-    summary = ("8-bit attention (INT8 Q.K, FP8 P.V; approximate, ~4% relative error per call, cosine >= 0.999; "
-               "about 1.3x faster than exact on an H200); needs a GPU with FP8 (sm_89+), else exact.")
+    summary = ("8-bit attention (Hadamard-rotated INT8 Q.K, FP8 P.V; approximate, ~4% relative error per call; each "
+               "layer checked once, a failing layer runs exact; faster than exact on Hopper, docs/attention.md); needs "
+               "a GPU with FP8 (sm_89+), else exact.")
     approximate = True
     fallback = "exact"
     apply_note = ("8-bit attention (int8_sage: Hadamard-rotated INT8 Q.K, FP8 P.V) on this MODEL: approximate, ~4% "

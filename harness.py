@@ -113,6 +113,11 @@ class ComfyRunner:
         """
         import execution
 
+        from .client import misspelt_inputs
+
+        typos = misspelt_inputs(prompt, declared_inputs())
+        if typos:
+            raise PromptFailed("ComfyUI would ignore these inputs: " + "; ".join(typos), None, None)
         prompt_id = str(uuid.uuid4())
         self.server.events.clear()
         ok, err, good_outputs, node_errors = asyncio.run(execution.validate_prompt(prompt_id, prompt, outputs))
@@ -150,6 +155,20 @@ class ComfyRunner:
         marks = [(d.get("node") if ev == "executing" else None, t) for ev, d, t in self.server.events
                  if ev in ("executing", "execution_success") and isinstance(d, dict)]
         return [(n, t1 - t0) for (n, t0), (_, t1) in zip(marks, marks[1:]) if n is not None]
+
+
+def declared_inputs() -> dict[str, set[str]]:
+    """{class_type: declared input names (required, optional, hidden)} of every node ComfyUI has registered."""
+    import nodes
+
+    out = {}
+    for name, cls in nodes.NODE_CLASS_MAPPINGS.items():
+        try:
+            types = cls.INPUT_TYPES()
+        except Exception:   # a node whose inputs cannot be listed without its runtime: not checked
+            continue
+        out[name] = {n for sect in ("required", "optional", "hidden") for n in (types.get(sect) or {})}
+    return out
 
 
 class PromptFailed(RuntimeError):

@@ -112,6 +112,35 @@ def apply_sets(prompt: dict, sets: list[str]) -> dict:
     return out
 
 
+def misspelt_inputs(prompt: dict, known: dict[str, set[str]]) -> list[str]:
+    """Inputs of an API-format ``prompt`` that look like typos: a name its node class does not declare that is close
+    (difflib, ratio >= 0.8) to a declared name the node does not set. ``known``: {class_type: declared input names}
+    (required, optional, hidden); classes missing from it are not checked. ComfyUI ignores undeclared inputs, so a
+    misspelt optional input (``weigths``) would otherwise run silently with that input's default. Dynamic inputs
+    (``format.codec``, ``images.image0``) are not close to an unset declared name and pass. Returns one message per
+    input: ``node 1 (H3TurboNVFP4Loader): unknown input 'weigths' (did you mean 'weights'?)``."""
+    import difflib
+
+    out = []
+    for nid, node in sorted(prompt.items(), key=lambda kv: str(kv[0])):
+        names = known.get(node.get("class_type")) if isinstance(node, dict) else None
+        if not names:
+            continue
+        given = set(node.get("inputs") or {})
+        for name in sorted(given - names):
+            close = difflib.get_close_matches(name, sorted(names - given), n=1, cutoff=0.8)
+            if close:
+                out.append(f"node {nid} ({node['class_type']}): unknown input {name!r} (did you mean {close[0]!r}?)")
+    return out
+
+
+def object_info_inputs(object_info: dict) -> dict[str, set[str]]:
+    """{class_type: declared input names} from ComfyUI's ``GET /object_info`` body (``input``: required, optional,
+    hidden)."""
+    return {cls: {n for sect in ("required", "optional", "hidden") for n in ((info.get("input") or {}).get(sect) or {})}
+            for cls, info in object_info.items() if isinstance(info, dict)}
+
+
 # ----------------------------------------------------------------------------------------- errors
 def format_rejection(body: dict) -> str:
     """A readable message from a 400 body of ``POST /prompt`` ({"error": {...}, "node_errors": {...}})."""
@@ -331,6 +360,12 @@ class Client:
         """
         import websocket
 
+        try:
+            typos = misspelt_inputs(prompt, object_info_inputs(self._get_ok("/object_info")))
+        except Exception:   # no /object_info to read: the connection error comes below, ComfyUI's validation runs
+            typos = []
+        if typos:
+            raise PromptRejected("workflow not queued: " + "; ".join(typos), {"misspelt_inputs": typos})
         client_id = uuid.uuid4().hex
         try:
             ws = websocket.create_connection(self._ws_url(client_id), timeout=self.timeout)

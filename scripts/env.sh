@@ -16,6 +16,17 @@
 # adds yunchang (pure Python, no dependency but torch) so the Multi-GPU tests run on 2 gloo CPU processes.
 set -euo pipefail
 
+# quiet_pip VENV ARGS...: VENV's pip with its output kept in a temporary log, printed only when pip fails.
+quiet_pip() {
+  local venv=$1 log rc=0
+  shift
+  log=$(mktemp)
+  "$venv/bin/pip" "$@" > "$log" 2>&1 || rc=$?
+  if [ "$rc" != 0 ]; then cat "$log" >&2; echo "[h3-turbo] pip $* failed" >&2; fi
+  rm -f "$log"
+  return "$rc"
+}
+
 # comfy_requirements VENV COMFY PACK: install COMFY's requirements.txt (without torch*) into VENV whenever one
 # of them is not met there (scripts/requirements_met.py: missing, or another version than pinned), so a reused
 # venv never keeps old comfy-kitchen / comfy-aimdo under a newer core. Tested by tests/test_env_script.py.
@@ -25,7 +36,7 @@ comfy_requirements() {
   grep -v -E '^(#|$)|^torch$|^torchvision|^torchaudio' "$comfy/requirements.txt" > "$reqs"
   if ! "$venv/bin/python" "$pack/scripts/requirements_met.py" "$reqs"; then
     echo "[h3-turbo] installing ComfyUI requirements from $comfy/requirements.txt (the ones above are not met)"
-    "$venv/bin/pip" install -q -r "$reqs" packaging
+    quiet_pip "$venv" install -q -r "$reqs" packaging
   fi
   rm -f "$reqs"
 }
@@ -38,15 +49,15 @@ py=${PYTHON:-python3.11}
 if ! "$venv/bin/python" -c 'import torch, sys; sys.exit(0 if torch.__version__.startswith("2.14.1") else 1)' 2>/dev/null; then
   echo "[h3-turbo] creating venv $venv (torch 2.14.1, torchvision 0.29.1, torchaudio 2.11.1)"
   "$py" -m venv "$venv"
-  "$venv/bin/pip" install -q --upgrade pip
-  "$venv/bin/pip" install -q torch==2.14.1 torchvision==0.29.1
-  "$venv/bin/pip" install -q --no-deps torchaudio==2.11.1
+  quiet_pip "$venv" install -q --upgrade pip
+  quiet_pip "$venv" install -q torch==2.14.1 torchvision==0.29.1
+  quiet_pip "$venv" install -q --no-deps torchaudio==2.11.1
 fi
 if [ -f "$comfy/requirements.txt" ]; then
   comfy_requirements "$venv" "$comfy" "$here"
 else
   echo "[h3-turbo] no ComfyUI at $comfy (set COMFYUI_PATH): integration tests will be skipped" >&2
-  "$venv/bin/pip" install -q comfy-kitchen==0.2.31
+  quiet_pip "$venv" install -q comfy-kitchen==0.2.31
 fi
 if [ -z "${H3T_CHROMIUM:-}" ] && ! command -v chromium >/dev/null 2>&1 && ! command -v chromium-browser >/dev/null 2>&1; then
   if command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then

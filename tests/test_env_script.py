@@ -61,3 +61,21 @@ def test_env_sh_skips_pip_when_every_requirement_is_met(tmp_path):
     res, pip = _fake_env(tmp_path, f"torch\ncomfy-kitchen=={KITCHEN}\nnumpy>=1.0\n")
     assert res.returncode == 0, res.stderr
     assert (res.stdout, pip) == ("", "")
+
+
+def test_quiet_pip_prints_pip_output_only_when_pip_fails(tmp_path):
+    venv = tmp_path / "venv"
+    (venv / "bin").mkdir(parents=True)
+    (venv / "bin" / "pip").write_text('#!/usr/bin/env bash\necho "WARNING: noise"\necho "$@" >&2\n'
+                                      '[ "$1" = fail ] && exit 3\nexit 0\n')
+    (venv / "bin" / "pip").chmod(0o755)
+
+    def run(*args):
+        return subprocess.run(["bash", "-c", 'H3T_ENV_FUNCTIONS_ONLY=1 source "$1/scripts/env.sh"; shift; quiet_pip "$@"',
+                               "_", str(REPO), str(venv), *args], capture_output=True, text=True, timeout=60)
+
+    ok = run("install", "-q", "x")
+    assert (ok.returncode, ok.stdout, ok.stderr) == (0, "", "")
+    bad = run("fail", "x")
+    assert bad.returncode == 3 and bad.stdout == ""
+    assert bad.stderr.splitlines() == ["WARNING: noise", "fail x", "[h3-turbo] pip fail x failed"]

@@ -77,6 +77,16 @@ def _failure(e) -> str:
     return str(e)
 
 
+def _no_traceback_for_pack_errors(record: logging.LogRecord) -> bool:
+    """Logging filter: drop the traceback core's executor logs (``Traceback (most recent call last)...``, inside its
+    ``except``) when the exception being handled is one of the pack's own errors, whose message already names the
+    file, the key and what was expected; every other record passes."""
+    from .errors import H3TurboError
+
+    exc = sys.exc_info()[1]
+    return not (isinstance(exc, H3TurboError) and str(record.msg).startswith("Traceback (most recent call last)"))
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m h3_turbo.demo", description=HELP,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -89,8 +99,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--comfyui", default=None, metavar="DIR",
                     help="ComfyUI checkout (default: $COMFYUI_PATH, the ComfyUI the pack is in, ~/ComfyUI)")
     ap.add_argument("--gpu", action="store_true", help="let ComfyUI use the GPU (default: CPU only)")
+    ap.add_argument("--traceback", action="store_true",
+                    help="keep core's Python traceback for the pack's own errors (default: their one-line message)")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    if not args.traceback:      # core's executor logs through the root logger: its filter sees those records
+        logging.getLogger().addFilter(_no_traceback_for_pack_errors)
 
     from .harness import ComfyUINotFound, PromptFailed, boot, find_comfyui
 

@@ -160,8 +160,8 @@ class Detection(FindingsMixin):
     def fix_hint(self) -> str:
         """What the user can do about this file's errors (one sentence)."""
         if self.model != "h3":
-            return ("Fix: this loader takes MiniMax H3 checkpoints only; load other models with the loader "
-                    "made for them (e.g. core's UNETLoader).")
+            return ("Fix: this pack's loaders and tools take MiniMax H3 diffusion models only; in a workflow, load "
+                    "other models with the loader made for them (e.g. core's UNETLoader).")
         return super().fix_hint()
 
     def summary(self) -> str:

@@ -111,8 +111,8 @@ def big_base(comfy, rel_models):
 # ----------------------------------------------------------------------------------------------- model files
 # {case: (exact message after "<path>: ", or a tuple of substrings when it carries byte counts)}
 H3_FIX = ". Fix: re-download or re-export the file; `python -m h3_turbo.tools inspect FILE` lists every finding."
-NOT_H3_FIX = (". Fix: this loader takes MiniMax H3 checkpoints only; load other models with the loader made for "
-              "them (e.g. core's UNETLoader).")
+NOT_H3_FIX = (". Fix: this pack's loaders and tools take MiniMax H3 diffusion models only; in a workflow, load other "
+              "models with the loader made for them (e.g. core's UNETLoader).")
 MODEL_MESSAGES = {
     "truncated": ("file is truncated: it stops at data byte", "(re-download the file) (expected file size"),
     "lfs_pointer": "this is a Git LFS pointer file, not the model: the real file was never downloaded (run `git lfs "

@@ -146,6 +146,10 @@ def _foreign(t):
     t["diffusion_model.blocks.0.adaln_proj.lora_A.weight"] = torch.zeros(4, 64, dtype=torch.bfloat16)
 
 
+def _wide_a(t):
+    t["diffusion_model.blocks.0.attn.out_proj.lora_A.weight"] = torch.zeros(4, 67, dtype=torch.bfloat16)
+
+
 @pytest.mark.parametrize("edit,name,finding", [
     (_drop_target, "x.safetensors", "missing targets (an adapter must cover all four projections of every block): "
                                     "1 [blocks.7.mlp.fc2]"),
@@ -154,6 +158,8 @@ def _foreign(t):
     (_alpha, "x.safetensors", "alpha/rank disagreeing with __metadata__ training_scale 0.0625: 1 "
                               "[blocks.9.mlp.fc1: alpha 3 / rank 4 = 0.75]"),
     (_foreign, "x.safetensors", "also targets modules outside the 208 block projections"),
+    (_wide_a, "x.safetensors", "targets of one projection have different sizes (attn.out_proj: [out 64, in 64] in 51 "
+                               "target(s); [out 64, in 67] in blocks.0.attn.out_proj): not one H3 model"),
     (None, "minimax_h3_fl2v_turbo_8step_v1.0_comfyui_bf16.safetensors",
      "named like the official minimax_h3_fl2v_turbo_8step_v1.0_comfyui_bf16.safetensors but its SHA-256"),
 ])

@@ -36,16 +36,23 @@ def looks_like_lora(keys) -> bool:
 
 def _geometry(targets: dict[str, turbo_lora.TargetLoRA], errors: list[str]) -> dict | None:
     """The H3 widths the factors fit (hidden, attention, FFN), checked to be one geometry for every block."""
-    shapes: dict[str, set] = {}
+    by_proj: dict[str, dict[tuple, list[str]]] = {}
     for t, tl in targets.items():
-        shapes.setdefault(_BLOCK_RE.sub("", t), set()).add((int(tl.B.shape[0]), int(tl.A.shape[1])))
-    mixed = {p: sorted(s) for p, s in shapes.items() if len(s) > 1}
+        by_proj.setdefault(_BLOCK_RE.sub("", t), {}).setdefault((int(tl.B.shape[0]), int(tl.A.shape[1])), []).append(t)
+    mixed = {p: s for p, s in by_proj.items() if len(s) > 1}
     if mixed:
+        def odd(sizes: dict[tuple, list[str]]) -> str:
+            """The most common size with its count, then every other size with the targets that have it."""
+            common = max(sizes, key=lambda k: len(sizes[k]))
+            rest = [f"[out {o}, in {i}] in {', '.join(sorted(sizes[(o, i)])[:3])}"
+                    + (f" (+{len(sizes[(o, i)]) - 3} more)" if len(sizes[(o, i)]) > 3 else "")
+                    for o, i in sorted(sizes) if (o, i) != common]
+            return f"[out {common[0]}, in {common[1]}] in {len(sizes[common])} target(s); " + "; ".join(rest)
+
         errors.append("targets of one projection have different sizes (" + "; ".join(
-            f"{p}: " + ", ".join(f"[out {o}, in {i}]" for o, i in s) for p, s in sorted(mixed.items())) +
-            "): not one H3 model")
+            f"{p}: {odd(s)}" for p, s in sorted(mixed.items())) + "): not one H3 model")
         return None
-    one = {p: next(iter(s)) for p, s in shapes.items()}
+    one = {p: next(iter(s)) for p, s in by_proj.items()}
     if set(one) != set(model_facts.PROJECTIONS):
         return None
     (qkv_o, hidden), (out_o, attention), (fc1_o, fc1_i), (fc2_o, ffn) = (

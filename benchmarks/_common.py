@@ -6,6 +6,8 @@ collect_logs: INFO logging to stderr, and the pack's log lines appended to a lis
 h3_config: the fixture config (``tools.fixtures.TinyH3Config``) with the real H3's widths, or tiny widths for DRY.
 cuda_median_ms: median CUDA-event time of a callable (ms).
 q_row_codes: the fused route's per-row INT8 Q codes and scales of a q.
+lora_routes: kernels.dispatch.LORA_ROUTES summed over every loaded copy of that module.
+rel_l2: relative L2 of one tensor against another in float64.
 h3_qkv: attention inputs with H3's statistics in core ComfyUI's layout (``comfy/ldm/minimax/model.py``):
 q, k, v are [1, heads, S, d] strided views of one [S, 3*heads*d] bf16 qkv buffer, q and k per-head
 RMS-normalised times a per-channel gain in [1, 1.5), v cloned (as core's attention receives them).
@@ -104,3 +106,20 @@ def h3_config(num_layers: int, dry: bool = False):
     return TinyH3Config(hidden=5376, heads=56, head_dim=128, ffn=14336, text_dim=5120, timestep_input_dim=256,
                         time_embed_hidden=5376, time_embed_dim=2688, rope_len=16, num_layers=num_layers,
                         refiner_layers=2, lora_rank=128)
+
+
+def lora_routes() -> dict:
+    """kernels.dispatch.LORA_ROUTES summed over every loaded copy of the module (ComfyUI may import the pack's
+    folder under another module name than h3_turbo)."""
+    tot: dict = {}
+    for name, mod in list(sys.modules.items()):
+        if name.endswith("kernels.dispatch") and hasattr(mod, "LORA_ROUTES"):
+            for k, v in mod.LORA_ROUTES.items():
+                tot[k] = tot.get(k, 0) + v
+    return tot
+
+
+def rel_l2(a: torch.Tensor, b: torch.Tensor) -> float:
+    """|a - b| / |b| in float64."""
+    a, b = a.double(), b.double()
+    return float((a - b).norm() / b.norm().clamp_min(1e-30))

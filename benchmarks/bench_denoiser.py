@@ -88,7 +88,7 @@ def mark(what):
     print(f"[{now():7.1f}s] {what}", flush=True)
 
 
-from _common import collect_logs  # noqa: E402
+from _common import collect_logs, lora_routes  # noqa: E402
 
 collect_logs(RES["log"], 300)
 
@@ -379,15 +379,6 @@ def forward(m, inp):
     o = dm([inp.xv, inp.xa], inp.t, ctx, transformer_options=transformer_options(m))
     sync()
     return time.perf_counter() - t0, o
-
-
-def lora_routes() -> dict:
-    tot: dict = {}
-    for name, mod in list(sys.modules.items()):
-        if name.endswith("kernels.dispatch") and hasattr(mod, "LORA_ROUTES"):
-            for k, v in mod.LORA_ROUTES.items():
-                tot[k] = tot.get(k, 0) + v
-    return tot
 
 
 def sample4(m, sampler, sigmas, inp):

@@ -50,23 +50,12 @@ P1_BUDGET = float(os.environ.get("P1_BUDGET", 1e9))   # seconds since start afte
 os.makedirs(OUT, exist_ok=True)
 
 
-def lora_routes() -> dict:
-    """kernels.dispatch.LORA_ROUTES summed over every loaded copy of the module (ComfyUI may import the pack's
-    folder under another module name than h3_turbo)."""
-    tot: dict = {}
-    for name, mod in list(sys.modules.items()):
-        if name.endswith("kernels.dispatch") and hasattr(mod, "LORA_ROUTES"):
-            for k, v in mod.LORA_ROUTES.items():
-                tot[k] = tot.get(k, 0) + v
-    return tot
-
-
 def save():
     with open(os.path.join(OUT, "e2e_gpu_h200.json"), "w") as f:
         json.dump(RES, f, indent=1, default=str)
 
 
-from _common import collect_logs  # noqa: E402
+from _common import collect_logs, lora_routes, rel_l2  # noqa: E402
 
 collect_logs(RES["log"], 400)
 
@@ -76,11 +65,6 @@ import torch  # noqa: E402
 def sync():
     if torch.cuda.is_available() and not DRY:
         torch.cuda.synchronize()
-
-
-def rel_l2(a, b):
-    a, b = a.double(), b.double()
-    return float((a - b).norm() / b.norm().clamp_min(1e-30))
 
 
 # ----------------------------------------------------------------------------------------- part 1

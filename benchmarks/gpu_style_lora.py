@@ -41,7 +41,7 @@ sys.argv = ["main.py"] + os.environ.get("COMFY_ARGS", "").split()
 RES: dict = {"dry": DRY, "errors": {}, "cases": {}, "log": []}
 os.makedirs(OUT, exist_ok=True)
 
-from _common import collect_logs, h3_config, import_package  # noqa: E402
+from _common import collect_logs, h3_config, import_package, lora_routes, rel_l2  # noqa: E402
 
 collect_logs(RES["log"], 400)
 import_package()
@@ -75,20 +75,6 @@ def save():
 def sync():
     if torch.cuda.is_available() and not DRY:
         torch.cuda.synchronize()
-
-
-def rel_l2(a, b):
-    a, b = a.double(), b.double()
-    return float((a - b).norm() / b.norm().clamp_min(1e-30))
-
-
-def lora_routes() -> dict:
-    tot: dict = {}
-    for name, mod in list(sys.modules.items()):
-        if name.endswith("kernels.dispatch") and hasattr(mod, "LORA_ROUTES"):
-            for k, v in mod.LORA_ROUTES.items():
-                tot[k] = tot.get(k, 0) + v
-    return tot
 
 
 def write_models(models: str, cfg, dev) -> dict:

@@ -8,10 +8,12 @@ stand-ins in their place:
 
 - :class:`MemoTimeEmbedder` keys each forward by the fp32 bits of its timestep group. A group seen before (in this
   process, or read from the on-disk cache) is a row lookup; a new group is computed once by core's own modules:
-  each one runs on the forward's device with its weights copied there for the call (:func:`with_weights_on`),
-  exactly as core runs it (fp32 timestep MLP, ``.to(dtype)``, then ``silu`` + linear in the compute dtype), so the
-  rows equal what resident weights give on that device, bit for bit (same modules, same arithmetic, same batch). Each such computation counts once in
-  :data:`WEIGHT_READS`.
+  each one runs on the forward's device with its weights copied there for the call, exactly as core runs it (fp32
+  timestep MLP, ``.to(dtype)``, then ``silu`` + linear in the compute dtype), so the rows equal what resident
+  weights give on that device, bit for bit (same modules, same arithmetic, same batch). On CUDA the copy is
+  streamed through a small pinned ring and overlaps the compute (:func:`streamed_rows`); elsewhere, or after a
+  streamed pass failed, one synchronous copy per module (:func:`plain_rows`, :func:`with_weights_on`). Each pass
+  counts once in :data:`WEIGHT_READS`.
 - :class:`MemoAdaLN` stands in for one ``adaln_proj``: ``rows[idx]`` viewed and chunked as core's ``AdalnProj``.
 - :func:`sample_wrapper`, a ComfyUI ``WrappersMP.OUTER_SAMPLE`` wrapper (core's KSampler, SamplerCustomAdvanced and
   the pack's sampler all run through it, with the sigmas known): before sampling it reads the cache file of
@@ -28,6 +30,7 @@ Pruned checkpoints (``adaln_t_table`` curve form) are left to core (:func:`insta
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import os
@@ -105,6 +108,7 @@ class Memo:
         self._chunk: dict[tuple[int, ...], int] = {}    # group -> its entry in blocks[i] / final
         self._staged: dict[torch.device, _Staged] = {}
         self.sampling = False        # inside a sampling run (sample_wrapper): its groups were predicted or cached
+        self.stream_ok = True        # False after a streamed pass failed (compute: plain from then on)
 
     def _add(self, key, blocks, final) -> int:
         start = self.rows
@@ -140,27 +144,36 @@ class Memo:
         """The device copy of ``device`` (:meth:`slot` made it for this forward)."""
         return self._staged[device]
 
-    def compute(self, groups: list[torch.Tensor], dtype: torch.dtype) -> list[tuple[list[torch.Tensor], torch.Tensor]]:
+    def compute(self, groups: list[torch.Tensor], dtype: torch.dtype, mode: str = "auto",
+                staging: tuple[int, int] | None = None) -> list[tuple[list[torch.Tensor], torch.Tensor]]:
         """Rows of each group (fp32 timesteps, all on one device) from core's own modules, one batch per group as
-        core's forward, in one pass over the weights: each module's weights are copied to the device once
-        (:func:`with_weights_on`) and dropped after its rows are computed."""
+        core's forward, in one pass over the weights; returns per group (per block rows [n, 18H], final [n, 2H]) in
+        CPU memory. ``mode``: ``plain`` copies each module's weights to the device once (:func:`with_weights_on`),
+        ``streamed`` runs :func:`streamed_rows` (``staging``: its (bytes, buffers), default
+        (:data:`STAGING_BYTES`, :data:`STAGING_BUFFERS`)), ``auto`` streams on CUDA when the weights are in CPU
+        memory, else plain. Both give the same rows bit for bit (same modules, same arithmetic, same bytes). A
+        streamed pass that fails is logged once (WARNING, with the error) and this memo runs plain from then on."""
+        if mode not in ("auto", "plain", "streamed"):
+            raise ValueError(f"AdaLN memo: mode={mode!r}: expected auto, plain or streamed")
         dev = groups[0].device
         mods = self._mods.modules
-
-        def on_device(mod, fn):
-            return fn(with_weights_on(mod, dev))
-
-        def rows(mod, x):
-            return torch.cat(mod(x), -1).reshape(x.shape[0], -1).cpu()
-
-        with torch.no_grad():
-            # core: t_emb = time_embedder(t_vals).to(dtype)
-            t_embs = on_device(mods["te"], lambda te: [te(t).to(dtype) for t in groups])
-            blocks = [on_device(m, lambda m: [rows(m, e) for e in t_embs]) for m in mods["blocks"]]
-            final = on_device(mods["final"], lambda m: [rows(m, e) for e in t_embs])
+        if mode == "auto":
+            on_cpu = all(t.device.type == "cpu" for m in _order(mods) for t in _tensors_of(m).values())
+            mode = "streamed" if dev.type == "cuda" and on_cpu else "plain"
+        out = None
+        if mode == "streamed" and self.stream_ok:
+            try:
+                out = streamed_rows(mods, groups, dtype, *(staging or (STAGING_BYTES, STAGING_BUFFERS)))
+            except Exception as e:   # noqa: BLE001  (pinning refused, device memory, ...): today's pass instead
+                self.stream_ok = False
+                log_once(("adaln-stream-fallback", self.key), "H3 Turbo AdaLN (adaln=table): the streamed pass over "
+                         "the AdaLN weights failed (%s: %s); this model computes its rows with one synchronous "
+                         "copy per module from now on", type(e).__name__, e, level=logging.WARNING)
+        if out is None:
+            out = plain_rows(mods, groups, dtype)
         WEIGHT_READS.incr("passes")
         WEIGHT_READS.incr("groups", len(groups))
-        return [([b[j] for b in blocks], final[j]) for j in range(len(groups))]
+        return out
 
     def prefetch(self, groups: list[tuple[float, ...]], dtype: torch.dtype, device) -> int:
         """Compute the groups not stored yet in one pass (sampling start, groups predicted from the sigmas);
@@ -312,6 +325,140 @@ def with_weights_on(mod: torch.nn.Module, device, force_copy: bool = False):
         return mod
     copies = {n: t.to(device, copy=True) for n, t in tensors.items()}
     return lambda *args, **kwargs: torch.func.functional_call(mod, copies, args, kwargs, strict=True)
+
+
+#: the streamed pass (:func:`streamed_rows`): bytes of one pinned staging buffer, and how many
+STAGING_BYTES = 128 << 20
+STAGING_BUFFERS = 3
+#: byte alignment of each tensor in a device slot (CUDA's allocator aligns to 512: the views are aligned as
+#: fresh tensors are)
+SLOT_ALIGN = 512
+
+
+def _order(mods: dict) -> list[torch.nn.Module]:
+    """The modules of a pass in their order: the time embedder, the DiT blocks', the final layer's."""
+    return [mods["te"], *mods["blocks"], mods["final"]]
+
+
+def _tensors_of(mod: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Every parameter and buffer of ``mod`` by name (what ``functional_call(strict=True)`` takes)."""
+    tensors = dict(mod.named_parameters())
+    tensors.update(mod.named_buffers())
+    return tensors
+
+
+def _layout(tensors: dict[str, torch.Tensor]) -> tuple[dict[str, int], int]:
+    """(byte offset of each tensor in a module's device slot, each a multiple of :data:`SLOT_ALIGN`; slot bytes)."""
+    offs, at = {}, 0
+    for n, t in tensors.items():
+        offs[n] = at
+        at += -(-t.numel() * t.element_size() // SLOT_ALIGN) * SLOT_ALIGN
+    return offs, at
+
+
+def _pieces(nbytes: int, size: int) -> list[tuple[int, int]]:
+    """(start, length) of the consecutive pieces of at most ``size`` bytes that cover ``nbytes``."""
+    return [(a, min(size, nbytes - a)) for a in range(0, nbytes, size)]
+
+
+def _rows(out, n: int) -> torch.Tensor:
+    """An ``AdalnProj`` output (its chunks) as [n, expand * modalities * hidden] rows, as the memo stores them."""
+    return torch.cat(out, -1).reshape(n, -1)
+
+
+def plain_rows(mods: dict, groups: list[torch.Tensor], dtype: torch.dtype):
+    """One pass, module by module: the weights copied to the groups' device (:func:`with_weights_on`: a synchronous
+    copy, none when they are there), the rows computed and copied back per group. See :meth:`Memo.compute`."""
+    dev = groups[0].device
+
+    def on_device(mod, fn):
+        return fn(with_weights_on(mod, dev))
+
+    with torch.no_grad():
+        # core: t_emb = time_embedder(t_vals).to(dtype)
+        t_embs = on_device(mods["te"], lambda te: [te(t).to(dtype) for t in groups])
+        blocks = [on_device(m, lambda m: [_rows(m(e), e.shape[0]).cpu() for e in t_embs]) for m in mods["blocks"]]
+        final = on_device(mods["final"], lambda m: [_rows(m(e), e.shape[0]).cpu() for e in t_embs])
+    return [([b[j] for b in blocks], final[j]) for j in range(len(groups))]
+
+
+def streamed_rows(mods: dict, groups: list[torch.Tensor], dtype: torch.dtype, staging_bytes: int = STAGING_BYTES,
+                  staging_buffers: int = STAGING_BUFFERS):
+    """:func:`plain_rows` with the weight upload overlapped: the modules' bytes go through ``staging_buffers``
+    buffers of ``staging_bytes`` (pinned on CUDA; a ring, each reused once its device copy is done) into two
+    device slots (the next module is uploaded while the current one computes), on a side stream with events
+    ordering copy, compute and reuse; the host copy of the next piece runs while earlier pieces are in flight. The
+    rows stay on the device and come back in one copy at the end. Each module runs its own forward
+    (``functional_call``) on views of its slot holding its exact bytes, aligned as fresh tensors: the same modules,
+    arithmetic and values as :func:`plain_rows`. On a CPU device the same steps run synchronously (no pinning, no
+    streams): the tests' check of the chunking and ordering. Device memory: two slots of the largest module (2 x
+    520 MB at H3's width) and the rows; host: the staging buffers (torch keeps pinned ones cached for the next
+    pass). Errors propagate (:meth:`Memo.compute` falls back)."""
+    if staging_bytes < 1 or staging_buffers < 1:
+        raise ValueError(f"AdaLN memo: staging of {staging_buffers} x {staging_bytes} bytes")
+    dev = groups[0].device
+    cuda = dev.type == "cuda"
+    plan = []
+    for m in _order(mods):
+        tensors = {n: t.detach() for n, t in _tensors_of(m).items()}
+        plan.append((m, tensors, *_layout(tensors)))
+    slot_bytes = max(p[3] for p in plan)
+    with torch.no_grad(), (torch.cuda.device(dev) if cuda else contextlib.nullcontext()):
+        slots = [torch.empty(slot_bytes, dtype=torch.uint8, device=dev) for _ in range(min(2, len(plan)))]
+        stage = [torch.empty(staging_bytes, dtype=torch.uint8, pin_memory=cuda) for _ in range(staging_buffers)]
+        main = torch.cuda.current_stream(dev) if cuda else None
+        side = torch.cuda.Stream(dev) if cuda else None
+        stage_done: list = [None] * staging_buffers     # event: the device copy out of that staging buffer is done
+        slot_done: list = [None] * len(slots)           # event: the compute reading that slot is done
+        k = 0
+        t_embs, results = None, []
+        try:
+            for j, (mod, tensors, offs, _) in enumerate(plan):
+                slot = slots[j % len(slots)]
+                if cuda and slot_done[j % len(slots)] is not None:
+                    side.wait_event(slot_done[j % len(slots)])
+                for n, t in tensors.items():
+                    src = t.contiguous().reshape(-1).view(torch.uint8)
+                    for a, size in _pieces(src.numel(), staging_bytes):
+                        if stage_done[k] is not None:
+                            stage_done[k].synchronize()
+                        buf = stage[k][:size]
+                        buf.copy_(src[a:a + size])
+                        dst = slot[offs[n] + a:offs[n] + a + size]
+                        if cuda:
+                            with torch.cuda.stream(side):
+                                dst.copy_(buf, non_blocking=True)
+                                stage_done[k] = side.record_event()
+                        else:
+                            dst.copy_(buf)
+                        k = (k + 1) % staging_buffers
+                if cuda:
+                    main.wait_stream(side)
+                views = {n: slot[offs[n]:offs[n] + t.numel() * t.element_size()].view(t.dtype).view(t.shape)
+                         for n, t in tensors.items()}
+
+                def fn(*args, mod=mod, views=views):
+                    return torch.func.functional_call(mod, views, args, strict=True)
+
+                if t_embs is None:                      # core: t_emb = time_embedder(t_vals).to(dtype)
+                    t_embs = [fn(t).to(dtype) for t in groups]
+                else:
+                    results.append([_rows(fn(e), e.shape[0]) for e in t_embs])
+                if cuda:
+                    slot_done[j % len(slots)] = main.record_event()
+            flat = [r for per in results for r in per]
+            if len({r.dtype for r in flat}) == 1:       # one device -> host copy
+                host = torch.cat([r.reshape(-1) for r in flat]).cpu()
+                flat = [v.view(r.shape) for v, r in zip(host.split([r.numel() for r in flat]), flat)]
+            else:
+                flat = [r.cpu() for r in flat]
+        finally:
+            if cuda:
+                main.wait_stream(side)                  # the slots go back to the allocator after the copies
+    ng = len(groups)
+    per = [flat[i * ng:(i + 1) * ng] for i in range(len(results))]
+    blocks, final = per[:-1], per[-1]
+    return [([b[j] for b in blocks], final[j]) for j in range(ng)]
 
 
 def _compute_dtype(base_model) -> torch.dtype:

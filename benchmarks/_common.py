@@ -74,7 +74,8 @@ def q_row_codes(q, rotate: bool = True):
     if rotate:
         x = K.fwht(x)
     amax = x.abs().amax(-1)
-    inv = torch.where(amax > 0, 127.0 / torch.where(amax > 0, amax, torch.ones_like(amax)), torch.zeros_like(amax))
+    inv = torch.where(amax > 0, torch.full_like(amax, 127.0) / torch.where(amax > 0, amax, torch.ones_like(amax)),
+                      torch.zeros_like(amax))
     q8 = K._round_half_away(x * inv[..., None], 127.0).to(torch.int8).contiguous()
     return q8, (amax / 127.0).contiguous()
 

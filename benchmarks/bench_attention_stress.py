@@ -6,9 +6,12 @@ relative L2 and the minimum per-head cosine), ``ms`` (CUDA events, median), ``x_
 on the same case and length, in this run). Backends: ``cudnn_bf16`` (the exact backend's choice on Hopper),
 ``fa3_bf16`` (FlashAttention-3, the ``fa3-fwd`` wheel), ``fa3_fp8`` (its e4m3 path, per-(batch, head) descales) and
 ``fa3_fp8_rot_smooth`` (after a Hadamard rotation of q / k and K/V token-mean smoothing), ``int8_sage`` (the
-override's kernel with its default configuration: rotated Q/K), ``int8_sage_unrotated`` (the configuration before
-the rotation: the negative control), ``int8_route`` / ``int8_route_unrotated`` (the fused block's kernel:
-``sage_attention_prequantized`` with e4m3 output as the fused route runs it, Gluon where it runs), ``cudnn_fp8``
+override's kernel with its default configuration: q / k balanced per channel and rotated), ``int8_sage_rotate_only``
+(rotated, not balanced), ``int8_sage_unrotated`` (neither: the configuration before issue 38, the negative control),
+``int8_route`` (the fused block's kernel: ``sage_attention_prequantized`` with e4m3 output as the fused route runs
+it, Gluon where it runs, on q / k balanced with the l that ``balance.from_k_amax`` gives for the case: what the route's
+norm-weight balance gives when the outlier channels come from the q / k norm weights), ``int8_route_rotate_only`` (the
+route when they do not: l = 1), ``int8_route_unrotated`` (neither), ``cudnn_fp8``
 (where nvidia-cudnn-frontend imports). ``extra``: per length, the guard's check (256 sampled rows x every head:
 SDPA on those rows + the measures), the rotation's cost in the K/V pre-kernel, the Q pre-kernel and the fused
 producer (``qk_norm_rope_sage``), ROTATE on vs off.
@@ -39,7 +42,7 @@ import torch  # noqa: E402
 from _common import REPO, collect_logs, cuda_median_ms, import_package, q_row_codes  # noqa: E402
 
 import_package()
-from h3_turbo.kernels.attention import cudnn_fp8, exact, fa3, guard, int8_kernels as K, stress  # noqa: E402
+from h3_turbo.kernels.attention import balance, cudnn_fp8, exact, fa3, guard, int8_kernels as K, stress  # noqa: E402
 from h3_turbo.kernels.attention.reference import accuracy, reference_attention  # noqa: E402
 
 DEV = "cpu" if DRY else "cuda"
@@ -112,17 +115,20 @@ def backends(S, result):
         out["cudnn_bf16"] = lambda q, k, v: torch.nn.functional.scaled_dot_product_attention(q, k, v)
     base = K.tuned_config(DEV, S)
     out["int8_sage"] = lambda q, k, v: K.sage_attention(q, k, v, config=base)
-    old = dict(base, ROTATE=False, Q_ROW=False)
+    rot_only = dict(base, BALANCE=False)
+    out["int8_sage_rotate_only"] = lambda q, k, v: K.sage_attention(q, k, v, config=rot_only)
+    old = dict(base, ROTATE=False, BALANCE=False, Q_ROW=False)
     out["int8_sage_unrotated"] = lambda q, k, v: K.sage_attention(q, k, v, config=old)
-    for rot in (True, False):
+    for name, rot, bal in (("int8_route", True, True), ("int8_route_rotate_only", True, False),
+                           ("int8_route_unrotated", False, False)):
         c = route_config(S, rot)
 
-        def route(q, k, v, c=c, rot=rot):
-            q8, qs, ksum, vamax = _prep(q, k, v, rot)
-            o8, sx = K.sage_attention_prequantized(q8, qs, k, v, ksum, vamax, config=c, out_fp8=True)
+        def route(q, k, v, c=c, rot=rot, bal=bal):
+            q8, qs, kb, ksum, vamax = _prep(q, k, v, rot, bal)
+            o8, sx = K.sage_attention_prequantized(q8, qs, kb, v, ksum, vamax, config=c, out_fp8=True)
             return (o8.float() * sx).view(1, q.shape[2], q.shape[1], q.shape[3]).transpose(1, 2)
 
-        out["int8_route" if rot else "int8_route_unrotated"] = route
+        out[name] = route
     if DRY or cudnn_fp8.frontend() is not None:
         ov = cudnn_fp8.CudnnFP8Attention(emulate=DRY)
 
@@ -137,18 +143,24 @@ def backends(S, result):
 _PREP: dict = {}
 
 
-def _prep(q, k, v, rot):
-    """(q8, qs, ksum, vamax) of the fused route for these tensors (cached for the current case)."""
-    key = (q.data_ptr(), tuple(q.shape), rot)
+def _prep(q, k, v, rot, bal):
+    """(q8, qs, k, ksum, vamax) of the fused route for these tensors (cached for the current case); ``bal``: q x l
+    and k / l first (exact in bf16: l a power of two per (head, channel), ``balance.from_k_amax``)."""
+    key = (q.data_ptr(), tuple(q.shape), rot, bal)
     if key not in _PREP:
+        if bal:
+            km = torch.mean(k, dim=2, dtype=torch.float32).reshape(-1, k.shape[-1])
+            lam = balance.from_k_amax(balance.k_amax(k, km)).view(1, k.shape[1], 1, k.shape[-1])
+            q, k = (q.float() * lam).to(q.dtype), (k.float() / lam).to(k.dtype)
         q8, qs = q_row_codes(q, rotate=rot)
         ksum, vamax = K.kv_partial_stats(k[0].transpose(0, 1), v[0].transpose(0, 1))
-        _PREP[key] = (q8, qs, ksum, vamax)
+        _PREP[key] = (q8, qs, k, ksum, vamax)
     return _PREP[key]
 
 
 def extra_timings(S, q, k, v):
-    """The guard's check and the rotation's cost (ROTATE on / off) of each pre-kernel, ms."""
+    """The guard's check and the rotation's cost (ROTATE on / off; the K/V pre-kernel's with BALANCE on / off too)
+    of each pre-kernel, ms (``_rot1``: rotation and balance on, the default; ``_rot0``: both off)."""
     e = {}
     g = guard.LayerGuard("bench")
     rows = g.sample(S, q.device)
@@ -156,10 +168,11 @@ def extra_timings(S, q, k, v):
         q, k, v)
     e["guard_check_ms"] = timer(lambda: guard.measure(o[:, :, rows], q[:, :, rows], k, v))
     for rot in (True, False):
-        c = dict(K.tuned_config(DEV, S), ROTATE=rot)
+        c = dict(K.tuned_config(DEV, S), ROTATE=rot, BALANCE=rot)
         e[f"quantize_kv_ms_rot{int(rot)}"] = timer(lambda c=c: K.quantize_kv(k, v, c))
         if c["QPRE"]:
             e[f"quantize_q_ms_rot{int(rot)}"] = timer(lambda c=c: K.quantize_q(q, 1.0, c))
+    e["quantize_kv_ms_rot1_bal0"] = timer(lambda: K.quantize_kv(k, v, dict(K.tuned_config(DEV, S), BALANCE=False)))
     try:
         from h3_turbo.kernels import fused as fk
 
@@ -181,8 +194,8 @@ def extra_timings(S, q, k, v):
 
 def fns_names() -> list:
     """The backend names this run may write (:func:`backends`' keys, for APPEND)."""
-    names = ["cudnn_bf16", "fa3_bf16", "fa3_fp8", "fa3_fp8_rot_smooth", "int8_sage", "int8_sage_unrotated",
-             "int8_route", "int8_route_unrotated", "cudnn_fp8"]
+    names = ["cudnn_bf16", "fa3_bf16", "fa3_fp8", "fa3_fp8_rot_smooth", "int8_sage", "int8_sage_rotate_only",
+             "int8_sage_unrotated", "int8_route", "int8_route_rotate_only", "int8_route_unrotated", "cudnn_fp8"]
     return [n for n in names if ONLY is None or n in ONLY]
 
 

@@ -276,7 +276,8 @@ if triton is not None:
                 if ROTATE:
                     yf = _fwht(yf, BS, D)
                 a = tl.max(tl.abs(yf), axis=1)
-                q8 = _round_i8(yf * tl.where(a > 0, 127.0 / tl.where(a > 0, a, 1.0), 0.0)[:, None], 127.0)
+                inv_a = tl.where(a > 0, tl.math.div_rn(tl.zeros_like(a) + 127.0, tl.where(a > 0, a, 1.0)), 0.0)
+                q8 = _round_i8(yf * inv_a[:, None], 127.0)
                 tl.store(q8_ptr + r64[:, None] * (H * D) + h * D + cols[None, :], q8, mask=rm[:, None])
                 qsc = tl.where(hcols[None, :] == h, (a / 127.0)[:, None], qsc)
             else:
@@ -590,7 +591,7 @@ def qk_norm_rope_sage_ref(qkv: torch.Tensor, heads: int, head_dim: int, freqs: t
 
         q = fwht(q)
     a = q.abs().amax(dim=-1, keepdim=True)
-    x = (q * torch.where(a > 0, 127.0 / a, torch.zeros_like(a))).clamp(-127.0, 127.0)
+    x = (q * torch.where(a > 0, torch.full_like(a, 127.0) / a, torch.zeros_like(a))).clamp(-127.0, 127.0)
     q8 = torch.trunc(x + torch.where(x >= 0, 0.5, -0.5)).to(torch.int8)
     k = new[:, inner:2 * inner].reshape(s, heads, head_dim).to(dtype)
     v = qkv[:, 2 * inner:].reshape(s, heads, head_dim).to(dtype)

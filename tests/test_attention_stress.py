@@ -26,6 +26,8 @@ from h3_turbo.kernels.attention.reference import accuracy, reference_attention  
 
 interp = pytest.mark.skipif(not INTERP, reason="needs TRITON_INTERPRET=1 (run by test_interpreted_in_subprocess)")
 REL_MAX, COS_MIN = 0.08, 0.997
+#: the SageAttention-2 quantization without this issue's remedies (no rotation, no q / k balance): the negative control
+PLAIN = {"ROTATE": False, "BALANCE": False}
 #: the Hopper configuration int8_sage runs by default (tuned_config on compute capability 9.x) at small blocks
 HOPPER = {**Q.HOPPER_CONFIGS[0][1], "BLOCK_M": 64, "BLOCK_N": 128}
 
@@ -76,15 +78,21 @@ def test_fwht_is_the_hadamard_product_and_keeps_q_dot_k():
 
 def test_rotation_in_the_quantization_model_fixes_k_outlier_and_its_absence_fails():
     """The torch model of the kernels (quantize_reference + sage_reference, the bits the kernels are tested against):
-    rotated within the bound on every case, the unrotated quantization far outside it on k_outlier (negative
-    control)."""
+    balanced and rotated (the defaults) within the bound on every case, each remedy alone too; without both, far
+    outside it on k_outlier (negative control). The balance takes k_outlier from the rotation's margin to the other
+    cases' level."""
+    got = {}
     for case in stress.CASES:
         q, k, v = _call(case, seed=3)
         ref = reference_attention(q, k, v)
-        rot = accuracy(Q.sage_reference(q, k, v, config=HOPPER).view(2, 256, 128).float(), ref)
-        assert rot["rel_l2"] <= REL_MAX and rot["cos_min"] >= COS_MIN, (case, rot)
+        for name, cfg in (("both", HOPPER), ("rotate", {**HOPPER, "BALANCE": False}),
+                          ("balance", {**HOPPER, "ROTATE": False})):
+            got[case, name] = accuracy(Q.sage_reference(q, k, v, config=cfg).view(2, 256, 128).float(), ref)
+            assert got[case, name]["rel_l2"] <= REL_MAX and got[case, name]["cos_min"] >= COS_MIN, (case, name, got)
         if case == "k_outlier":
-            plain = accuracy(Q.sage_reference(q, k, v, config={**HOPPER, "ROTATE": False}).view(2, 256, 128).float(),
+            assert got[case, "both"]["rel_l2"] < 0.8 * got[case, "rotate"]["rel_l2"], got
+            assert got[case, "both"]["rel_l2"] < 1.2 * got["rand", "both"]["rel_l2"], got
+            plain = accuracy(Q.sage_reference(q, k, v, config={**HOPPER, **PLAIN}).view(2, 256, 128).float(),
                              ref)
             assert plain["rel_l2"] > 0.15 and plain["cos_min"] < 0.99, plain
 
@@ -105,7 +113,7 @@ class _Approx:
     """A stand-in 8-bit attention for the guard: int8_sage's torch model, unrotated (fails k_outlier)."""
 
     def __call__(self, q, k, v):
-        return Q.sage_reference(q, k, v, config={**HOPPER, "ROTATE": False}).view(q.shape).to(q.dtype)
+        return Q.sage_reference(q, k, v, config={**HOPPER, **PLAIN}).view(q.shape).to(q.dtype)
 
 
 def test_guard_runs_exact_only_for_the_layer_that_fails(caplog):
@@ -229,13 +237,28 @@ def test_interp_int8_sage_default_hopper_config_on_every_case(case):
     z = Q.quantize_reference(q, k, v, HOPPER)
     assert torch.equal(kv["k8"][:, :256].float(), z["k8"]) and torch.equal(kv["ks"], z["ks"])
     if case == "k_outlier":   # negative control: the unrotated kernel
-        plain = accuracy(Q.sage_attention(q, k, v, config={**HOPPER, "ROTATE": False})[0].float(), ref)
+        plain = accuracy(Q.sage_attention(q, k, v, config={**HOPPER, **PLAIN})[0].float(), ref)
         assert plain["rel_l2"] > 0.15 and plain["cos_min"] < 0.99, plain
 
 
-def _producer_inputs(case: str, S=128, H=2, d=128, seed=0):
+@interp
+def test_interp_int8_sage_off_hopper_config_balances_in_kernel():
+    """The configuration off Hopper (Q quantized inside the attention kernel, one scale per 64 rows): the kernel
+    multiplies q by quantize_kv's l itself; k_outlier within the bound, and clearly better than without the balance."""
+    q, k, v = _call("k_outlier")
+    ref = reference_attention(q, k, v)
+    cfg = {"BLOCK_M": 64, "BLOCK_N": 128}
+    assert not Q._cfg(cfg)["QPRE"] and Q.quantize_kv(k, v, cfg)["lam"].max() >= 4
+    got = accuracy(Q.sage_attention(q, k, v, config=cfg)[0].float(), ref)
+    off = accuracy(Q.sage_attention(q, k, v, config={**cfg, "BALANCE": False})[0].float(), ref)
+    assert got["rel_l2"] <= REL_MAX and got["cos_min"] >= COS_MIN, got
+    assert got["rel_l2"] < 0.8 * off["rel_l2"], (got, off)
+
+
+def _producer_inputs(case: str, S=128, H=2, d=128, seed=0, rope_pairs=False):
     """qkv / rope table / norm weights whose RMSNorm + RoPE output has ``case``'s channel statistics (the outlier
-    gains carried by the norm weights, as a trained k_norm would)."""
+    gains carried by the norm weights, as a trained k_norm would); ``rope_pairs``: the outliers on both channels of
+    two RoPE pairs (mixed by the rotation) instead of four pass-through channels."""
     g = torch.Generator().manual_seed(seed)
     qkv = torch.randn(S, 3 * H * d, generator=g).to(torch.bfloat16)
     r2 = d * 3 // 8
@@ -244,7 +267,11 @@ def _producer_inputs(case: str, S=128, H=2, d=128, seed=0):
     table = torch.stack([c, -sn, sn, c], dim=-1).reshape(1, S, 1, r2, 2, 2)
     qw = 1.0 + 0.5 * torch.rand(d, generator=g)
     kw = 1.0 + 0.5 * torch.rand(d, generator=g)
-    ch = torch.randperm(d - 2 * r2, generator=g)[:4] + 2 * r2          # pass-through channels (no RoPE mixing)
+    if rope_pairs:
+        p = torch.randperm(r2, generator=g)[:2]
+        ch = torch.cat([p, p + r2])                                       # split-half pairs (c, c + r2)
+    else:
+        ch = torch.randperm(d - 2 * r2, generator=g)[:4] + 2 * r2          # pass-through channels (no RoPE mixing)
     if case == "k_outlier":
         kw[ch] *= 24.0
         qw[ch] *= 0.05
@@ -255,38 +282,86 @@ def _producer_inputs(case: str, S=128, H=2, d=128, seed=0):
 
 
 @interp
-@pytest.mark.parametrize("case", ["k_outlier", "qk_outlier"])
-def test_interp_fused_route_producer_and_kernel(case):
-    """The fused route (qk_norm_rope_sage rotating q after RoPE + sage_attention_prequantized) within the bound on
-    outlier channels made by the norm weights; its output is the standalone kernel's (Q_ROW) on qk_norm_rope's q / k
-    bit for bit, rotated or not (the producer and the Q pre-kernel rotate with the same float32 ops); the unrotated
-    route fails k_outlier (run for that case only)."""
+@pytest.mark.parametrize("case,rope_pairs", [("k_outlier", False), ("k_outlier", True), ("qk_outlier", False)])
+def test_interp_fused_route_producer_and_kernel(case, rope_pairs):
+    """The fused route (the norm weights balanced by :func:`balance.fold_into_norm_weights`, qk_norm_rope_sage
+    rotating q after RoPE, sage_attention_prequantized) within the bound on outlier channels made by the norm weights;
+    its output is the standalone kernel's (Q_ROW, no balance of its own) on qk_norm_rope's q / k with the balanced
+    weights bit for bit (the balance is exact: q.k is unchanged, so the reference is the unbalanced attention); the
+    route without the balance and the rotation fails k_outlier (run for that case only)."""
     from h3_turbo.kernels import fused as fk
+    from h3_turbo.kernels.attention import balance
 
     S, H, d = 128, 2, 128
-    qkv, table, qw, kw = _producer_inputs(case, S, H, d)
+    qkv, table, qw, kw = _producer_inputs(case, S, H, d, rope_pairs=rope_pairs)
     inner = H * d
-    rope = qkv.clone()
-    fk.qk_norm_rope(rope, H, d, table, qw, kw, 1e-6)
     view = lambda t: t.reshape(S, H, d).transpose(0, 1).unsqueeze(0)    # noqa: E731
-    q4, k4, v4 = view(rope[:, :inner]), view(rope[:, inner:2 * inner]), view(rope[:, 2 * inner:])
-    ref = reference_attention(q4, k4, v4)
-    res = {}
-    for rot in (True, False) if case == "k_outlier" else (True,):
+
+    def rope(wq, wk):
         x = qkv.clone()
-        prep = fk.qk_norm_rope_sage(x, H, d, table, qw, kw, 1e-6, rotate=rot)
+        fk.qk_norm_rope(x, H, d, table, wq, wk, 1e-6)
+        return view(x[:, :inner]), view(x[:, inner:2 * inner]), view(x[:, 2 * inner:])
+
+    ref = reference_attention(*rope(qw, kw))
+    qwb, kwb, lam = balance.fold_into_norm_weights(qw, kw, 2 * table.shape[-3])
+    if case == "k_outlier":
+        assert lam.max() / lam.min() >= 8, lam                       # sqrt(24 / 0.05) ~ 22 -> a power of two
+    else:
+        assert torch.equal(lam, torch.ones(d)), lam                  # q and k x 6: nothing to move
+    qb, kb, _ = rope(qwb, kwb)
+    sb = qb[0].double() @ kb[0].double().transpose(-1, -2)
+    q0, k0, _ = rope(qw, kw)
+    s0 = q0[0].double() @ k0[0].double().transpose(-1, -2)
+    assert (sb - s0).abs().max() <= 2e-2 * s0.abs().max()            # q.k kept (up to RoPE's bf16 roundings)
+    res = {}
+    for bal, rot in ((True, True), (False, False)) if case == "k_outlier" else ((True, True),):
+        x = qkv.clone()
+        wq, wk = (qwb, kwb) if bal else (qw, kw)
+        prep = fk.qk_norm_rope_sage(x, H, d, table, wq, wk, 1e-6, rotate=rot)
         kc, vc = x[:, inner:2 * inner].view(S, H, d), x[:, 2 * inner:].view(S, H, d)
         prep["ksum"] = kc.sum(dim=0, dtype=torch.float32, keepdim=True)    # one torch sum: the standalone kernel's
         prep["vamax"] = vc.abs().amax(dim=0, keepdim=True).float()         # statistics (kv_stats)
         cfg = {"BLOCK_M": 64, "BLOCK_N": 128, "ROTATE": rot}
         out = Q.sage_attention_prequantized(prep["q8"], prep["qs"], view(x[:, inner:2 * inner]),
                                             view(x[:, 2 * inner:]), prep["ksum"], prep["vamax"], config=cfg)
-        want = Q.sage_attention(q4, k4, v4, config={**cfg, "QPRE": True, "Q_ROW": True}, out_layout="blhd")
-        assert torch.equal(out, want), rot
-        res[rot] = accuracy(out[0].view(S, H, d).transpose(0, 1).float(), ref)
+        q4, k4, v4 = rope(wq, wk)
+        want = Q.sage_attention(q4, k4, v4, config={**cfg, "QPRE": True, "Q_ROW": True, "BALANCE": False},
+                                out_layout="blhd")
+        assert torch.equal(out, want), (bal, rot)
+        res[bal] = accuracy(out[0].view(S, H, d).transpose(0, 1).float(), ref)
     assert res[True]["rel_l2"] <= REL_MAX and res[True]["cos_min"] >= COS_MIN, res
     if case == "k_outlier":
         assert res[False]["rel_l2"] > 0.15 and res[False]["cos_min"] < 0.99, res
+
+
+def test_norm_weight_balance_is_exact_powers_of_two_per_rope_pair():
+    """fold_into_norm_weights: l a power of two per channel, equal on the two channels of each split-half RoPE pair,
+    sqrt of the |w_k| / |w_q| ratio within a factor sqrt(2), 1 for equal weights; products exact in bf16; bad shapes
+    refused by name."""
+    from h3_turbo.kernels.attention import balance
+
+    d, rot = 128, 96
+    qw = torch.ones(d, dtype=torch.bfloat16)
+    kw = torch.ones(d, dtype=torch.bfloat16)
+    kw[5] = 24.0            # RoPE channel 5 pairs with 53
+    qw[100] = 0.05          # pass-through channel
+    kw[100] = 24.0
+    qb, kb, lam = balance.fold_into_norm_weights(qw, kw, rot)
+    assert torch.equal(torch.log2(lam), torch.log2(lam).round())
+    assert lam[5] == lam[53] == 4.0 and lam[100] == 16.0 and (lam[[0, 1, 52, 99, 127]] == 1).all(), lam
+    assert torch.equal(qb.float(), qw.float() * lam) and torch.equal(kb.float(), kw.float() / lam)
+    _, _, one = balance.fold_into_norm_weights(qw, qw, rot)
+    assert torch.equal(one, torch.ones(d))
+    for r in (0.25, 1.0, 3.0, 480.0, 1e9, 0.0, float("inf"), float("nan")):
+        l2 = balance.pow2_sqrt(torch.tensor([r]))[0].item()
+        if 0 < r < float("inf") and r < 2 ** (2 * balance.MAX_EXP):
+            assert 2 ** -0.5 <= l2 / math.sqrt(r) <= 2 ** 0.5, (r, l2)
+        elif not 0 < r < float("inf"):
+            assert l2 == 1.0, (r, l2)
+    with pytest.raises(ValueError, match="rot_dim"):
+        balance.fold_into_norm_weights(qw, kw, 7)
+    with pytest.raises(ValueError, match=r"two \[D\]"):
+        balance.fold_into_norm_weights(qw, kw[:64], 0)
 
 
 @interp
@@ -296,7 +371,7 @@ def test_interp_int8_override_guard_runs_a_failing_layer_exact(caplog):
     from h3_turbo.kernels.attention import exact as A
     from h3_turbo.kernels.attention import int8_sage as S8
 
-    ov = S8.Int8SageAttention(fallback=A.cpu_exact(), devices=("cpu",), config={**HOPPER, "ROTATE": False},
+    ov = S8.Int8SageAttention(fallback=A.cpu_exact(), devices=("cpu",), config={**HOPPER, **PLAIN},
                               guard=G.LayerGuard("int8_sage", rows=64))
     core = lambda *a, **k: (_ for _ in ()).throw(AssertionError("core called"))   # noqa: E731
     to = {"sigmas": torch.tensor([1.0])}

@@ -15,7 +15,12 @@ Math, for q, k, v [B, H, L, D] (any strides), ``scale`` (default ``D ** -0.5``),
 
 * K smoothing: ``k' = k - mean_tokens(k)`` per (b, h, channel), in float32 (softmax is invariant to
   adding ``q . const`` to every score of a row).
-* Rotation (``ROTATE``, on by default): q and the smoothed k' are multiplied by the unnormalised Sylvester
+* Balance (``BALANCE``, on by default; :mod:`.balance`): the smoothed k' is divided and q multiplied per channel by
+  a power of two ``l`` [B*H, D] (from max_tokens |k'| per channel: :func:`.balance.from_k_amax`), so q.k is unchanged
+  exactly and a few dominant K channels no longer set K's quantization step (SmoothAttention, QServe,
+  arXiv:2405.04532). :func:`sage_attention_prequantized` takes q and k already balanced by the fused route's
+  producer (its norm weights, :func:`.balance.fold_into_norm_weights`) and applies none.
+* Rotation (``ROTATE``, on by default): q and the smoothed (balanced) k' are multiplied by the unnormalised Sylvester
   Hadamard matrix H_D (entries +-1, ``H H^T = D I``; :func:`fwht`, butterfly stages in float32) before their INT8
   quantization, and the score scale is divided by D, so q.k is unchanged in exact arithmetic. A few outlier
   channels are spread over all D channels, so one scale per block no longer spends its range on them (the
@@ -71,6 +76,7 @@ import torch
 
 from ... import state
 from ...errors import NoCapablePathError
+from . import balance
 
 try:  # Triton is optional: without it the kernels raise NoCapablePathError and int8_sage runs exact
     import triton
@@ -92,7 +98,7 @@ LOG2_FP8_MAX = math.log2(FP8_MAX)
 DEFAULT_CONFIG = {"BLOCK_M": 64, "BLOCK_N": 128, "num_warps": 4, "num_stages": 3, "MAGIC": True,
                   "PV_FP8": True, "V_MEAN": False, "IMPRECISE": None,
                   "TMA": False, "QPRE": False, "ROWSUM_MMA": False, "MAXNREG": None, "Q_ROW": False,
-                  "GLUON": False, "ROTATE": True}
+                  "GLUON": False, "ROTATE": True, "BALANCE": True}
 # Hopper (compute capability 9.x): (largest key length or None, changes from DEFAULT_CONFIG); the first row
 # that fits is used. K/V through TMA, Q quantized by its pre-kernel, row sums on the tensor cores, at most
 # 168 registers per thread (how this row was chosen: docs/attention.md); one Q scale per row (Q_ROW, as the fused
@@ -137,7 +143,7 @@ if triton is not None:
         """float32 block -> (int8 codes round(x * 127 / max|x|), half away from zero; max|x|), one scale per
         block (codes 0 for an all-zero block)."""
         amax = tl.max(tl.max(tl.abs(x), 1), 0)
-        inv = tl.where(amax > 0, 127.0 / amax, 0.0)
+        inv = tl.where(amax > 0, tl.math.div_rn(tl.zeros_like(amax) + 127.0, amax), 0.0)
         return _round_i8(x * inv, 127.0), amax
 
     @triton.jit
@@ -205,12 +211,12 @@ if triton is not None:
         _store_stats(KM, VINV, VS, HMAX, bh, km, vs_p, vinv_p, vamax, HEAD_DIM)
 
     @triton.jit
-    def _quant_kv_kernel(K, V, KM, VM, VINV, K8, KS, VQ,
+    def _quant_kv_kernel(K, V, KM, VM, VINV, K8, KS, VQ, KINV,
                          skb, skh, skn, skd, svb, svh, svn, svd,
                          H, N_K, N_KPAD,
                          HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, PV_FP8: tl.constexpr,
                          V_MEAN: tl.constexpr, INTERP: tl.constexpr,
-                         V_PERM32: tl.constexpr, ROTATE: tl.constexpr = False):
+                         V_PERM32: tl.constexpr, ROTATE: tl.constexpr = False, BALANCE: tl.constexpr = False):
         j = tl.program_id(0)
         bh = tl.program_id(1)
         b = bh // H
@@ -224,6 +230,8 @@ if triton is not None:
         k = tl.load(kp, mask=valid, other=0.0).to(tl.float32)
         km = tl.load(KM + bh * HEAD_DIM + offs_d)
         ksm = tl.where(valid, k - km[None, :], 0.0)
+        if BALANCE:     # times 1 / l (powers of two: exact)
+            ksm = ksm * tl.load(KINV + bh * HEAD_DIM + offs_d)[None, :]
         if ROTATE:      # (k - mean) H_D: padded rows stay zero
             ksm = _fwht(ksm, BLOCK_N, HEAD_DIM)
         k8, amax = _quant_i8_block(ksm)
@@ -253,23 +261,27 @@ if triton is not None:
             tl.store(VQ + base + offs_n[:, None] * HEAD_DIM + offs_d[None, :], v.to(tl.bfloat16))
 
     @triton.jit
-    def _quant_q_block(qp, row_ok, qk_scale, BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr, ROTATE: tl.constexpr):
-        """One block of Q rows (pointers ``qp`` [BLOCK_M, D], rows with ``row_ok`` False read as 0; ROTATE: times
-        H_D first) -> (int8 codes with one max|q|/127 scale, the block's score scale ``max|q| / 127 * qk_scale``)."""
+    def _quant_q_block(qp, row_ok, qk_scale, lam_p, BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr,
+                       ROTATE: tl.constexpr, BALANCE: tl.constexpr):
+        """One block of Q rows (pointers ``qp`` [BLOCK_M, D], rows with ``row_ok`` False read as 0; BALANCE: times the
+        per-channel l at ``lam_p`` [D] first, ROTATE: then times H_D) -> (int8 codes with one max|q|/127 scale, the
+        block's score scale ``max|q| / 127 * qk_scale``)."""
         x = tl.load(qp, mask=row_ok[:, None], other=0.0).to(tl.float32)
+        if BALANCE:
+            x = x * tl.load(lam_p + tl.arange(0, HEAD_DIM))[None, :]
         if ROTATE:
             x = _fwht(x, BLOCK_M, HEAD_DIM)
         q8, amax = _quant_i8_block(x)
         return q8, (amax / 127.0) * qk_scale
 
     @triton.jit
-    def _quant_q_kernel(Q, Q8, QS, sqb, sqh, sqm, sqd, H, N_Q, N_QPAD, qk_scale,
+    def _quant_q_kernel(Q, Q8, QS, LAM, sqb, sqh, sqm, sqd, H, N_Q, N_QPAD, qk_scale,
                         HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, Q_ROW: tl.constexpr,
-                        ROTATE: tl.constexpr = False):
+                        ROTATE: tl.constexpr = False, BALANCE: tl.constexpr = False):
         """Q per block of BLOCK_M rows -> int8 [B*H, N_QPAD, D] (rows past N_Q zero) and the block's
         score scale ``max|q| / 127 * qk_scale`` [B*H, N_QPAD / BLOCK_M]: the same float32 ops as the
         in-kernel quantization. Q_ROW: one scale per row instead, ``max|q_row| / 127`` [B*H, N_QPAD]
-        (without qk_scale: the attention kernel applies it)."""
+        (without qk_scale: the attention kernel applies it). BALANCE: q times LAM [B*H, D] first."""
         i = tl.program_id(0)
         bh = tl.program_id(1)
         b = bh // H
@@ -279,13 +291,17 @@ if triton is not None:
         qp = _bhld_ptrs(Q, b, h, offs_m, offs_d, sqb, sqh, sqm, sqd)
         if Q_ROW:
             x = tl.load(qp, mask=(offs_m < N_Q)[:, None], other=0.0).to(tl.float32)
+            if BALANCE:
+                x = x * tl.load(LAM + bh * HEAD_DIM + offs_d)[None, :]
             if ROTATE:
                 x = _fwht(x, BLOCK_M, HEAD_DIM)
             amax = tl.max(tl.abs(x), 1)
-            q8 = _round_i8(x * tl.where(amax > 0, 127.0 / tl.where(amax > 0, amax, 1.0), 0.0)[:, None], 127.0)
+            q8 = _round_i8(x * tl.where(amax > 0, tl.math.div_rn(tl.zeros_like(amax) + 127.0, tl.where(amax > 0, amax, 1.0)),
+                                             0.0)[:, None], 127.0)
             tl.store(QS + bh * N_QPAD + offs_m, amax / 127.0)
         else:
-            q8, qc = _quant_q_block(qp, offs_m < N_Q, qk_scale, BLOCK_M, HEAD_DIM, ROTATE)
+            q8, qc = _quant_q_block(qp, offs_m < N_Q, qk_scale, LAM + bh * HEAD_DIM, BLOCK_M, HEAD_DIM, ROTATE,
+                                    BALANCE)
             tl.store(QS + bh * (N_QPAD // BLOCK_M) + i, qc)
         tl.store(Q8 + bh.to(tl.int64) * N_QPAD * HEAD_DIM + offs_m[:, None] * HEAD_DIM + offs_d[None, :], q8)
 
@@ -373,14 +389,15 @@ if triton is not None:
                        BLOCK_M, BLOCK_N, MASK, MAGIC, PV_FP8, INTERP, IMPRECISE, TMA, ROWSUM_MMA, Q_ROW)
 
     @triton.jit
-    def _attn_fwd_kernel(Q, Q8, QS, K8, KS, VQ, VS, VM, OUT, ONES, HMAX, SX,
+    def _attn_fwd_kernel(Q, Q8, QS, K8, KS, VQ, VS, VM, OUT, ONES, HMAX, SX, LAM,
                          sqb, sqh, sqm, sqd, sob, soh, som, sod, sq8b, sq8h, sq8m, sqs, sqsm,
                          H, N_Q, N_QPAD, N_K, N_KPAD, qk_scale,
                          HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                          MAGIC: tl.constexpr, PV_FP8: tl.constexpr, V_MEAN: tl.constexpr,
                          INTERP: tl.constexpr, IMPRECISE: tl.constexpr, TMA: tl.constexpr,
                          QPRE: tl.constexpr, ROWSUM_MMA: tl.constexpr, Q_ROW: tl.constexpr,
-                         OUT_FP8: tl.constexpr, HP: tl.constexpr, ROTATE: tl.constexpr = False):
+                         OUT_FP8: tl.constexpr, HP: tl.constexpr, ROTATE: tl.constexpr = False,
+                         BALANCE: tl.constexpr = False):
         pid_m = tl.program_id(0)
         bh = tl.program_id(1)
         b = bh // H
@@ -398,7 +415,8 @@ if triton is not None:
                 qc = tl.load(QS + bh * sqs + pid_m)
         else:
             qp = _bhld_ptrs(Q, b, h, offs_m, offs_d, sqb, sqh, sqm, sqd)
-            q8, qc = _quant_q_block(qp, offs_m < N_Q, qk_scale, BLOCK_M, HEAD_DIM, ROTATE)
+            q8, qc = _quant_q_block(qp, offs_m < N_Q, qk_scale, LAM + bh * HEAD_DIM, BLOCK_M, HEAD_DIM, ROTATE,
+                                    BALANCE)
         m_i = tl.zeros([BLOCK_M], dtype=tl.float32) - float("inf")
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
         if ROWSUM_MMA:
@@ -565,10 +583,13 @@ def quantize_kv(k: torch.Tensor, v: torch.Tensor, config: dict | None = None, st
     (smoothed, per-block of BLOCK_N keys), ``ks`` float32 [B*H, L_pad/BLOCK_N], ``vq`` (e4m3
     [B*H, D, L_pad] if PV_FP8 else bf16 [B*H, L_pad, D]; with ``GLUON`` the keys of each 32 in the order of
     :mod:`.int8_gluon`'s P registers, ``v_perm32`` True), ``km``/``vm``/``vs``/``vinv`` float32 [B*H, D],
-    ``n_kpad`` = L rounded up to BLOCK_N. Rows past L are written as zeros. ``stats``: (km, vm, vs, vinv)
+    ``n_kpad`` = L rounded up to BLOCK_N, ``lam`` (``BALANCE``: float32 [B*H, D], the per-channel l of
+    :mod:`.balance` that k was divided by and q must be multiplied by, :func:`quantize_q` ``lam``; else None). Rows
+    past L are written as zeros. ``stats``: (km, vm, vs, vinv)
     already computed (e.g. :func:`stats_from_sums`), else :func:`kv_stats` here. ``parts``: (ksum, vamax) partials
     [R, B*H, D] (:func:`kv_partial_stats`; needs V_MEAN off and PV_FP8): reduced once per head by a small Triton
-    launch before the pre-kernel (no torch op), ``vm`` is then None and the dict adds ``hmax`` float32 [B*H] (max |v| per (b, h)). ``num_warps``: the
+    launch before the pre-kernel (no torch op), ``vm`` is then None and the dict adds ``hmax`` float32 [B*H] (max |v| per (b, h));
+    no balancing then (the fused route's producer balances through the norm weights). ``num_warps``: the
     launch's (default 8 for the Gluon layout, 4 otherwise; the output does not depend on it: every reduction in the
     kernel is a max or runs in a fixed order per element)."""
     c = _cfg(config)
@@ -590,6 +611,7 @@ def quantize_kv(k: torch.Tensor, v: torch.Tensor, config: dict | None = None, st
     else:
         km, vm, vs, vinv = kv_stats(k, v, c["V_MEAN"], c["PV_FP8"]) if stats is None else stats
         kp = vp = km
+    lam = balance.from_k_amax(balance.k_amax(k, km)).contiguous() if c["BALANCE"] and parts is None else None
     k8 = torch.empty(B * H, npad, D, device=k.device, dtype=torch.int8)
     ks = torch.empty(B * H, npad // bn, device=k.device, dtype=torch.float32)
     if c["PV_FP8"]:
@@ -600,13 +622,22 @@ def quantize_kv(k: torch.Tensor, v: torch.Tensor, config: dict | None = None, st
         _kv_stats_finish_kernel[(B * H,)](kp, vp, km, vinv, vs, hmax, kp.shape[0], float(max(L, 1)), HEAD_DIM=D,
                                           num_warps=1 if INTERPRET else 4)
     _quant_kv_kernel[(npad // bn, B * H)](
-        k, v, km, vm if vm is not None else km, vinv, k8, ks, vq, *k.stride(), *v.stride(), H, L, npad,
-        HEAD_DIM=D, BLOCK_N=bn, PV_FP8=c["PV_FP8"], V_MEAN=c["V_MEAN"], INTERP=INTERPRET, V_PERM32=c["GLUON"], ROTATE=c["ROTATE"], num_warps=num_warps or (8 if c["GLUON"] else 4))
+        k, v, km, vm if vm is not None else km, vinv, k8, ks, vq, 1.0 / lam if lam is not None else km,
+        *k.stride(), *v.stride(), H, L, npad,
+        HEAD_DIM=D, BLOCK_N=bn, PV_FP8=c["PV_FP8"], V_MEAN=c["V_MEAN"], INTERP=INTERPRET, V_PERM32=c["GLUON"],
+        ROTATE=c["ROTATE"], BALANCE=lam is not None, num_warps=num_warps or (8 if c["GLUON"] else 4))
     out = {"k8": k8, "ks": ks, "vq": vq, "km": km, "vm": vm, "vs": vs, "vinv": vinv, "n_kpad": npad,
-           "v_perm32": c["GLUON"]}
+           "v_perm32": c["GLUON"], "lam": lam}
     if hmax is not None:
         out["hmax"] = hmax
     return out
+
+
+def _check_lam(lam, g: int, d: int, device) -> None:
+    if lam is not None and (not isinstance(lam, torch.Tensor) or lam.dtype != torch.float32
+                            or tuple(lam.shape) != (g, d) or not lam.is_contiguous() or lam.device != device):
+        raise ValueError(f"attention_int8: lam must be a contiguous float32 [{g}, {d}] tensor on {device} (quantize_kv's "
+                         f"'lam'), got {getattr(lam, 'dtype', type(lam).__name__)} {tuple(getattr(lam, 'shape', ()))}")
 
 
 def _ones_e4m3(device, block_n: int) -> torch.Tensor:
@@ -625,11 +656,13 @@ def _ones_e4m3(device, block_n: int) -> torch.Tensor:
     return t
 
 
-def quantize_q(q: torch.Tensor, qk_scale: float, config: dict | None = None):
+def quantize_q(q: torch.Tensor, qk_scale: float, config: dict | None = None, lam: torch.Tensor | None = None):
     """Pre-kernel (QPRE): q [B, H, L, D] (bf16/fp16, any strides) -> (``q8`` int8 [B*H, L_pad, D] per block
     of BLOCK_M rows, rows past L zero; ``qs`` float32 [B*H, L_pad / BLOCK_M] = ``max|q| / 127 * qk_scale``;
     ``L_pad``). The same float32 math as the attention kernel's own quantization. With ``Q_ROW``: one scale
-    per row, ``qs`` [B*H, L_pad] = ``max|q_row| / 127`` (qk_scale is applied by the attention kernel)."""
+    per row, ``qs`` [B*H, L_pad] = ``max|q_row| / 127`` (qk_scale is applied by the attention kernel). ``lam``: the
+    ``lam`` of the :func:`quantize_kv` call whose k8 these codes meet (q is multiplied by it first); required when
+    that call balanced (``BALANCE``)."""
     if triton is None:
         raise NoCapablePathError(f"attention_int8: triton unavailable ({_TRITON_ERROR})")
     c = _cfg(config)
@@ -640,10 +673,12 @@ def quantize_q(q: torch.Tensor, qk_scale: float, config: dict | None = None):
     B, H, L, D = q.shape
     bm = c["BLOCK_M"]
     npad = triton.cdiv(L, bm) * bm
+    _check_lam(lam, B * H, D, q.device)
     q8 = torch.empty(B * H, npad, D, device=q.device, dtype=torch.int8)
     qs = torch.empty(B * H, npad if c["Q_ROW"] else npad // bm, device=q.device, dtype=torch.float32)
-    _quant_q_kernel[(npad // bm, B * H)](q, q8, qs, *q.stride(), H, L, npad, qk_scale,
-                                         HEAD_DIM=D, BLOCK_M=bm, Q_ROW=c["Q_ROW"], ROTATE=c["ROTATE"], num_warps=4)
+    _quant_q_kernel[(npad // bm, B * H)](q, q8, qs, lam if lam is not None else qs, *q.stride(), H, L, npad, qk_scale,
+                                         HEAD_DIM=D, BLOCK_M=bm, Q_ROW=c["Q_ROW"], ROTATE=c["ROTATE"],
+                                         BALANCE=lam is not None, num_warps=4)
     return q8, qs, npad
 
 
@@ -702,7 +737,7 @@ def sage_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: flo
                          f"{'' if out.is_contiguous() else ' (not contiguous)'}")
     kv = quantize_kv(k, v, c)
     if c["QPRE"]:
-        q8, qs, nqpad = quantize_q(q, qk_scale(sm, c, D), c)
+        q8, qs, nqpad = quantize_q(q, qk_scale(sm, c, D), c, lam=kv["lam"])
         q8_strides = (H * nqpad * D, nqpad * D, D, nqpad if c["Q_ROW"] else nqpad // c["BLOCK_M"], 1)
     else:
         q8, qs, nqpad = q, q, Lq              # unused by the kernel
@@ -741,14 +776,16 @@ def _launch(q, q8, qs, q8_strides, nqpad, kv, out, out_layout, fp8_scales, B, H,
     launch = {"maxnreg": c["MAXNREG"]} if c["MAXNREG"] else {}
     ones = _ones_e4m3(q.device, c["BLOCK_N"]) if c["ROWSUM_MMA"] else q
     hmax, sx = fp8_scales if fp8_scales is not None else (kv["vs"], kv["vs"])
+    lam = kv.get("lam")
     _attn_fwd_kernel[grid](
         q, q8, qs, k8, kv["ks"], vq, kv["vs"], kv["vm"] if kv["vm"] is not None else kv["vs"], out, ones, hmax, sx,
+        lam if lam is not None else kv["vs"],
         *q.stride(), *so, *q8_strides, H, Lq, nqpad, Lk, kv["n_kpad"], qk_scale(sm, c, D),
         HEAD_DIM=D, BLOCK_M=c["BLOCK_M"], BLOCK_N=c["BLOCK_N"], MAGIC=c["MAGIC"], PV_FP8=c["PV_FP8"],
         V_MEAN=c["V_MEAN"], INTERP=INTERPRET, IMPRECISE=None if c["IMPRECISE"] is None else min(c["IMPRECISE"], c["BLOCK_N"]),
         TMA=c["TMA"], QPRE=c["QPRE"], ROWSUM_MMA=c["ROWSUM_MMA"], Q_ROW=c["Q_ROW"], OUT_FP8=fp8_scales is not None,
         HP=triton.next_power_of_2(B * H) if fp8_scales is not None else 1, ROTATE=c["ROTATE"],
-        num_warps=c["num_warps"], num_stages=c["num_stages"], **launch)
+        BALANCE=lam is not None and not c["QPRE"], num_warps=c["num_warps"], num_stages=c["num_stages"], **launch)
     return out
 
 
@@ -794,7 +831,7 @@ def sage_attention_prequantized(q8: torch.Tensor, qs: torch.Tensor, k: torch.Ten
     if not math.isfinite(sm) or sm <= 0:
         raise ValueError(f"attention_int8.prequantized: scale {scale!r}; expected a finite number > 0")
     c = dict(config) if config is not None else tuned_config(k.device, L)
-    c.update(QPRE=True, Q_ROW=True)
+    c.update(QPRE=True, Q_ROW=True, BALANCE=False)   # the producer's norm weights carry the balance (.balance)
     c = _cfg(c)
     if c["V_MEAN"] or not c["PV_FP8"]:
         raise ValueError("attention_int8.prequantized: needs V_MEAN off and PV_FP8 on (the producer sums max |v|)")
@@ -861,7 +898,7 @@ def _block_quant(x: torch.Tensor, block: int):
     xp[:, :L] = x
     xb = xp.view(G, nb, block * D)
     amax = xb.abs().amax(-1)                                           # [G, nb]
-    inv = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
+    inv = torch.where(amax > 0, torch.full_like(amax, 127.0) / amax, torch.zeros_like(amax))
     q = _round_half_away(xb * inv[..., None], 127.0).view(G, nb * block, D)[:, :L]
     return q, amax / 127.0
 
@@ -870,13 +907,17 @@ def quantize_reference(q, k, v, config: dict | None = None):
     """torch-only quantization of the kernels (float32, same formulas): dict with ``q8`` [G, Lq, D]
     (int values as float32), ``qs`` [G, nbq], ``k8`` [G, Lk, D], ``ks`` [G, nbk], ``v8`` [G, Lk, D]
     (e4m3 values as float32, or bf16 values of v - vm when not PV_FP8), ``km``, ``vm``, ``vs``,
-    ``vinv`` [G, D]; G = B*H."""
+    ``vinv`` [G, D], ``lam`` [G, D] (``BALANCE``) or None; G = B*H."""
     c = _cfg(config)
     B, H, Lq, D = q.shape
     Lk = k.shape[2]
     km, vm, vs, vinv = kv_stats(k, v, c["V_MEAN"], c["PV_FP8"])
     qf = q.float().reshape(B * H, Lq, D)
     kf = k.float().reshape(B * H, Lk, D) - km[:, None, :]
+    lam = None
+    if c["BALANCE"]:
+        lam = balance.from_k_amax(balance.k_amax(k, km))
+        qf, kf = qf * lam[:, None, :], kf * (1.0 / lam)[:, None, :]
     if c["ROTATE"]:
         qf, kf = fwht(qf), fwht(kf)
     q8, qs = _block_quant(qf, 1 if c["Q_ROW"] else c["BLOCK_M"])
@@ -888,7 +929,7 @@ def quantize_reference(q, k, v, config: dict | None = None):
         v8 = (vf * vinv[:, None, :]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).float()
     else:
         v8 = vf.to(torch.bfloat16).float()
-    return {"q8": q8, "qs": qs, "k8": k8, "ks": ks, "v8": v8, "km": km, "vm": vm, "vs": vs, "vinv": vinv}
+    return {"q8": q8, "qs": qs, "k8": k8, "ks": ks, "v8": v8, "km": km, "vm": vm, "vs": vs, "vinv": vinv, "lam": lam}
 
 
 def sage_reference(q, k, v, scale: float | None = None, config: dict | None = None, rows=None,

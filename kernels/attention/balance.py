@@ -1,0 +1,79 @@
+"""Per-channel q / k balancing before 8-bit Q K^T: ``q k^T = (q diag(l)) (k diag(l)^-1)^T`` for any positive ``l``.
+
+A K channel far larger than the others (H3's late blocks concentrate the attention-key signal in a few channels)
+sets the range of every INT8 K block; the Hadamard rotation (``int8_kernels`` ``ROTATE``) spreads its energy over all
+channels but keeps it. Dividing those channels by ``l`` and multiplying q's by the same ``l`` leaves every score
+unchanged and moves the magnitude to q, whose channels there are small. This is SmoothQuant's migration between two
+operands of a product (Xiao et al., arXiv:2211.10438, alpha = 0.5) applied to q and k as QServe's SmoothAttention
+(Lin et al., arXiv:2405.04532, section 4.3).
+
+``l`` is a power of two per channel (:func:`pow2_sqrt`), so ``q * l`` and ``k / l`` are exact in floating point:
+the balanced q.k equals the unbalanced one bit for bit before quantization. Two sources of ``l``:
+
+* :func:`from_k_amax`: from the current call's K (``int8_sage``'s standalone kernels; ``r_c = max_tokens |k'_c|``
+  over the smoothed k, relative to the median channel).
+* :func:`fold_into_norm_weights`: from the q / k RMSNorm weights (the fused route, whose producer quantizes q
+  before any K statistic exists: ``r_c = |w_k,c| / |w_q,c|``, relative to the median; the two channels of a RoPE
+  pair get one ``l``, so the scaling commutes with the rotation and folds into the weights at no cost).
+"""
+from __future__ import annotations
+
+import torch
+
+#: |log2 l| is at most this (a ratio beyond 2^(2 * MAX_EXP) is balanced only that far)
+MAX_EXP = 12
+
+
+def pow2_sqrt(ratio: torch.Tensor) -> torch.Tensor:
+    """``2 ** floor(e / 2)`` for ``ratio = m * 2 ** e`` (``torch.frexp``, m in [0.5, 1)): a power of two within a
+    factor sqrt(2) of ``sqrt(ratio)``, from integer arithmetic only (the same on every device); 1 where ``ratio`` is 0,
+    negative or not finite; the exponent clamped to [-MAX_EXP, MAX_EXP]. float32, ``ratio``'s shape."""
+    r = ratio.float()
+    ok = torch.isfinite(r) & (r > 0)
+    _, e = torch.frexp(torch.where(ok, r, torch.ones_like(r)))
+    e = torch.where(ok, torch.div(e, 2, rounding_mode="floor"), torch.zeros_like(e)).clamp(-MAX_EXP, MAX_EXP)
+    return torch.ldexp(torch.ones_like(r), e)
+
+
+def _relative(x: torch.Tensor) -> torch.Tensor:
+    """x [..., D] divided by its median over D (x itself where that median is 0)."""
+    med = x.median(dim=-1, keepdim=True).values
+    return torch.where(med > 0, x / torch.where(med > 0, med, torch.ones_like(med)), x)
+
+
+def from_k_amax(k_amax: torch.Tensor) -> torch.Tensor:
+    """``l`` float32 [..., D] from ``k_amax`` [..., D] = max over tokens of |k - mean_tokens(k)| per channel:
+    :func:`pow2_sqrt` of k_amax relative to its median channel (a channel 24x the median gets l = 4)."""
+    return pow2_sqrt(_relative(k_amax.float()))
+
+
+def k_amax(k: torch.Tensor, km: torch.Tensor) -> torch.Tensor:
+    """k [B, H, L, D] (any strides), km float32 [B*H, D] its token mean -> float32 [B*H, D]
+    ``max_tokens |k - km|`` per channel (from k's per-channel min and max: one pass over k)."""
+    B, H, _, D = k.shape
+    kmin, kmax = torch.aminmax(k, dim=2)
+    kmin, kmax = kmin.reshape(B * H, D).float(), kmax.reshape(B * H, D).float()
+    return torch.maximum(kmax - km, km - kmin)
+
+
+def fold_into_norm_weights(q_weight: torch.Tensor, k_weight: torch.Tensor, rot_dim: int):
+    """(q_weight * l, k_weight / l, l) for the q / k RMSNorm weights [D] of a per-head RMSNorm followed by core's
+    split-half RoPE on the first ``rot_dim`` channels (channel c < rot_dim / 2 pairs with c + rot_dim / 2): ``l``
+    [D] float32 is :func:`pow2_sqrt` of ``|w_k| / |w_q|`` (each pair's larger |w| on either side) relative to its
+    median. The products are exact (powers of two), in the weights' dtype. ValueError on mismatched shapes or an odd
+    / too large ``rot_dim``."""
+    if q_weight.shape != k_weight.shape or q_weight.ndim != 1:
+        raise ValueError(f"attention balance: q / k norm weights must be two [D] tensors, got {tuple(q_weight.shape)}, "
+                         f"{tuple(k_weight.shape)}")
+    d = q_weight.shape[0]
+    if rot_dim < 0 or rot_dim % 2 or rot_dim > d:
+        raise ValueError(f"attention balance: rot_dim {rot_dim}; expected an even number in [0, {d}]")
+    aq, ak = q_weight.float().abs(), k_weight.float().abs()
+    h = rot_dim // 2
+    if h:
+        for a in (aq, ak):
+            m = torch.maximum(a[:h], a[h:rot_dim])
+            a[:h], a[h:rot_dim] = m, m
+    ratio = torch.where(aq > 0, ak / torch.where(aq > 0, aq, torch.ones_like(aq)), torch.zeros_like(ak))
+    lam = pow2_sqrt(_relative(ratio))
+    return (q_weight * lam.to(q_weight.dtype)), (k_weight / lam.to(k_weight.dtype)), lam

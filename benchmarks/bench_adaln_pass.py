@@ -9,15 +9,19 @@ pageable CPU memory (26.1 GB = 24.3 GiB), held by an ``adaln_memo.Memo`` as ``ad
 has its own random values: drawn on the GPU and copied into a fresh CPU tensor (a few seconds for all of them; no
 CPU random generator over 13 G elements).
 
-Steps (the JSON is rewritten after each):
-1. ``probe``: bandwidths behind the passes: pageable -> pinned host copy (torch's threaded ``copy_``), pinned ->
-   device, pageable -> device (what ``plain`` does per module); medians of a few 128 MiB / one-block copies.
-2. ``turbo4``: the groups H3 Turbo Sampler predicts for the Turbo 4-step contract (``adaln.timestep_groups`` of
-   ``4step``, conditioned and not, on the device): streamed first (``streamed_cold``: the process's first pinned
-   allocation included, as in a real first run), then plain, then streamed twice more (warm).
-3. ``off8``: the groups the sampling wrapper predicts for core's samplers on an 8-step 12/3 grid without Turbo
+Steps, in this order (the JSON is rewritten after each; a warm-up first runs the time embedder, one block and the
+final layer through the plain pass):
+1. ``turbo4``: the groups H3 Turbo Sampler predicts for the Turbo 4-step contract (``adaln.timestep_groups`` of
+   ``4step``, conditioned and not, on the device): streamed (``turbo4_streamed_cold``: the process's first pinned
+   allocation included, as in a real first run), then plain.
+2. ``probe``: bandwidths behind the passes: pageable -> pinned host copy (torch's threaded ``copy_``), pinned ->
+   device, pageable -> device (what ``plain`` does per module), and one block's weight page-locked in place for its
+   copy (``cudaHostRegister``, async copy, unregister: an alternative to the staging copy, measured only);
+   medians of 5 staging-sized / one-block copies.
+3. ``turbo4`` streamed twice more (``warm1``, ``warm2``: the pinned staging cached by torch).
+4. ``off8``: the groups the sampling wrapper predicts for core's samplers on an 8-step 12/3 grid without Turbo
    (``adaln_memo.predict_groups``): plain, then streamed.
-4. ``sweep``: the streamed pass on the turbo4 groups with other staging sizes / buffer counts, while the deadline
+5. ``sweep``: the streamed pass on the turbo4 groups with other staging sizes / buffer counts, while the deadline
    allows.
 Every streamed pass's rows are checked ``torch.equal`` against the plain pass's (``equal``); a pass reports seconds
 (the rows back in CPU memory), GB/s (AdaLN bytes / seconds), the peak device memory, and whether it meets the
@@ -29,8 +33,10 @@ of the streamed pass has no pinning or streams), DEADLINE (s from start, default
 passes before it), BLOCKS (DiT blocks, default 50). Writes $OUT/adaln_pass_<gpu>.json (<gpu>: h100, h200, ... from
 the device name; ``dry`` for DRY).
 
-Run (GPU, after the ComfyUI setup of benchmarks/README.md "How to rerun"):
-``OUT=benchmarks/results timeout 170 python3 benchmarks/bench_adaln_pass.py``; CPU check:
+Run (GPU, after the ComfyUI setup of benchmarks/README.md "How to rerun"; the build and 14 passes, the sweep bounded
+by DEADLINE):
+``OUT=benchmarks/results timeout 200 python3 benchmarks/bench_adaln_pass.py`` (exit 1 when a streamed pass's rows
+differ from the plain pass's or a streamed pass fell back); CPU check:
 ``DRY=1 OUT=/tmp/dry COMFYUI_PATH=$HOME/ComfyUI python benchmarks/bench_adaln_pass.py``.
 """
 import json
@@ -72,8 +78,8 @@ BLOCKS = int(os.environ.get("BLOCKS", "50"))
 # hidden, time embedder (freq, hidden, out): H3's (formats/detect.py H3Sizes, core's MiniMaxH3Model defaults)
 HID, FREQ, THID, TDIM = (64, 32, 64, 32) if DRY else (5376, 256, 5376, 2688)
 STAGING = (4096, 3) if DRY else (M.STAGING_BYTES, M.STAGING_BUFFERS)
-SWEEP = [(1536, 2), (65536, 4)] if DRY else [(64 << 20, 3), (32 << 20, 3), (256 << 20, 2), (128 << 20, 2),
-                                              (128 << 20, 4)]
+SWEEP = [(1536, 2), (65536, 4)] if DRY else [(128 << 20, 3), (32 << 20, 3), (256 << 20, 2), (64 << 20, 2),
+                                              (64 << 20, 4)]
 TARGET_S = 1.6
 
 
@@ -189,6 +195,23 @@ def probe(memo):
         RES["probe"]["pinned_to_device_GB_per_s"] = med(lambda: dst.copy_(buf, non_blocking=True), n)
         RES["probe"]["pageable_to_device_GB_per_s"] = med(lambda: w.to(DEV, copy=True), w.numel() * w.element_size())
         del dst
+        # an alternative to the staging copy: page-lock one block's weight in place for its upload (register,
+        # async copy, unregister); measured here only
+        try:
+            rt = torch.cuda.cudart()
+            nb = w.numel() * w.element_size()
+            dst = torch.empty(nb, dtype=torch.uint8, device=DEV)
+
+            def registered():
+                assert int(rt.cudaHostRegister(w.data_ptr(), nb, 0)) == 0, "cudaHostRegister failed"
+                dst.copy_(src, non_blocking=True)
+                torch.cuda.synchronize()
+                assert int(rt.cudaHostUnregister(w.data_ptr())) == 0, "cudaHostUnregister failed"
+
+            RES["probe"]["register_copy_unregister_GB_per_s"] = med(registered, nb)
+            del dst
+        except Exception as e:  # noqa: BLE001
+            RES["errors"]["probe_register"] = f"{type(e).__name__}: {e}"
     save()
 
 
@@ -203,8 +226,12 @@ def main():
     save()
     t = time.perf_counter()
     memo, nbytes, dtype = build()
+    mods = memo._mods.modules
     RES["weights"] = {"bytes": nbytes, "GiB": round(nbytes / 2**30, 2), "dtype": str(dtype),
-                      "build_s": round(time.perf_counter() - t, 2)}
+                      "build_s": round(time.perf_counter() - t, 2),
+                      "shapes": {k: {n: [list(v.shape), str(v.dtype)] for n, v in M._tensors_of(m).items()}
+                                 for k, m in (("time_embedder", mods["te"]), ("block", mods["blocks"][0]),
+                                              ("final", mods["final"]))}}
     print(f"[{now():6.1f}s] built {nbytes / 2**30:.2f} GiB of AdaLN weights", flush=True)
     save()
 
@@ -217,15 +244,14 @@ def main():
     tens = {k: [torch.tensor(x, dtype=torch.float32, device=DEV) for x in g] for k, g in groups.items()}
 
     # warm-up: cuBLAS handles and these GEMM shapes, on the time embedder, one block and the final layer
-    mods = memo._mods.modules
     M.plain_rows({"te": mods["te"], "blocks": mods["blocks"][:1], "final": mods["final"]}, tens["turbo4"][:1], dtype)
-    probe(memo)
 
-    cold, dt, peak = timed(memo, tens["turbo4"], dtype, "streamed", STAGING)
+    cold, dt, peak = timed(memo, tens["turbo4"], dtype, "streamed", STAGING)   # before any pinned allocation
     ref, dtp, peakp = timed(memo, tens["turbo4"], dtype, "plain")
     record("turbo4_plain", nbytes, dtp, peakp)
     record("turbo4_streamed_cold", nbytes, dt, peak, ref, cold, STAGING, memo)
     del cold
+    probe(memo)
     for i in (1, 2):
         rows, dt, peak = timed(memo, tens["turbo4"], dtype, "streamed", STAGING)
         record(f"turbo4_streamed_warm{i}", nbytes, dt, peak, ref, rows, STAGING, memo)
@@ -264,7 +290,7 @@ def main():
 if __name__ == "__main__":
     try:
         main()
-    except Exception as e:  # noqa: BLE001  (kept in the JSON, then raised)
+    except Exception:  # kept in the JSON, then raised
         import traceback
 
         RES["errors"]["main"] = traceback.format_exc()[-3000:]

@@ -328,7 +328,7 @@ def with_weights_on(mod: torch.nn.Module, device, force_copy: bool = False):
 
 
 #: the streamed pass (:func:`streamed_rows`): bytes of one pinned staging buffer, and how many
-STAGING_BYTES = 128 << 20
+STAGING_BYTES = 64 << 20
 STAGING_BUFFERS = 3
 #: byte alignment of each tensor in a device slot (CUDA's allocator aligns to 512: the views are aligned as
 #: fresh tensors are)

@@ -3,7 +3,8 @@
 
 - the streamed pass gives the plain pass's rows bit for bit (``torch.equal``, every group, block and the final
   layer) with staging pieces far smaller than a tensor (the ring wraps many times, a tensor spans many pieces), with
-  one staging buffer, and with pieces larger than any module; in the fp32 and the bf16 compute dtype;
+  one staging buffer, and with pieces larger than any module (and under ``torch.inference_mode``); in the
+  fp32 and the bf16 compute dtype;
 - negative control: dropping one piece per tensor (the chunking the pass relies on) changes rows;
 - a failing streamed pass is logged once as a WARNING naming the error, gives the plain pass's rows, and the memo
   does not try it again; ``auto`` runs plain on the CPU; a bad ``mode`` is refused by name.
@@ -66,6 +67,8 @@ def test_streamed_pass_equals_plain_pass_bit_for_bit(memo, dtype):
     for staging in ((1000, 3), (768, 1), (4 * biggest, 2)):
         got = memo.compute(_groups(), dtype, mode="streamed", staging=staging)
         assert _same(got, plain), staging
+    with torch.inference_mode():       # as ComfyUI's executor runs sampling
+        assert _same(memo.compute(_groups(), dtype, mode="streamed", staging=(1000, 2)), plain)
     assert memo.stream_ok
     # rows are distinct per block and per group (a mix-up of modules or groups would show)
     b0 = plain[0][0]

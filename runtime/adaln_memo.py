@@ -35,6 +35,7 @@ import hashlib
 import logging
 import os
 import threading
+import time
 
 import torch
 
@@ -109,6 +110,7 @@ class Memo:
         self._staged: dict[torch.device, _Staged] = {}
         self.sampling = False        # inside a sampling run (sample_wrapper): its groups were predicted or cached
         self.stream_ok = True        # False after a streamed pass failed (compute: plain from then on)
+        self.last_pass: tuple[str, float] | None = None     # (mode, seconds) of the latest pass (compute)
 
     def _add(self, key, blocks, final) -> int:
         start = self.rows
@@ -160,7 +162,7 @@ class Memo:
         if mode == "auto":
             on_cpu = all(t.device.type == "cpu" for m in _order(mods) for t in _tensors_of(m).values())
             mode = "streamed" if dev.type == "cuda" and on_cpu else "plain"
-        out = None
+        out, t0 = None, time.perf_counter()
         if mode == "streamed" and self.stream_ok:
             try:
                 out = streamed_rows(mods, groups, dtype, *(staging or (STAGING_BYTES, STAGING_BUFFERS)))
@@ -170,7 +172,9 @@ class Memo:
                          "the AdaLN weights failed (%s: %s); this model computes its rows with one synchronous "
                          "copy per module from now on", type(e).__name__, e, level=logging.WARNING)
         if out is None:
+            mode = "plain"
             out = plain_rows(mods, groups, dtype)
+        self.last_pass = (mode, time.perf_counter() - t0)
         WEIGHT_READS.incr("passes")
         WEIGHT_READS.incr("groups", len(groups))
         return out
@@ -408,6 +412,8 @@ def streamed_rows(mods: dict, groups: list[torch.Tensor], dtype: torch.dtype, st
         stage = [torch.empty(staging_bytes, dtype=torch.uint8, pin_memory=cuda) for _ in range(staging_buffers)]
         main = torch.cuda.current_stream(dev) if cuda else None
         side = torch.cuda.Stream(dev) if cuda else None
+        if cuda:
+            side.wait_stream(main)     # the slots' memory may still be read by earlier work queued on main
         stage_done: list = [None] * staging_buffers     # event: the device copy out of that staging buffer is done
         slot_done: list = [None] * len(slots)           # event: the compute reading that slot is done
         k = 0
@@ -538,6 +544,13 @@ def predict_groups(sigmas: torch.Tensor, model_options: dict, diffusion_model, d
     return out
 
 
+def _log_pass(memo: Memo, n: int) -> None:
+    """One INFO line per (model, group count): the groups a pass computed, its mode and its seconds."""
+    mode, secs = memo.last_pass or ("?", float("nan"))
+    log_once(("adaln-prefetch", memo.key, n), "H3 Turbo AdaLN: computed %d timestep groups of this schedule in one "
+             "pass over the AdaLN weights (%s, %.2f s)", n, mode, secs)
+
+
 #: attribute of a KSAMPLER function that predicts and prefetches its own groups (:func:`prefetch_groups`)
 PREDICTS_ATTR = "h3_turbo_prefetches_adaln"
 
@@ -551,8 +564,7 @@ def prefetch_groups(model_patcher, groups: list[tuple[float, ...]]) -> int:
         return 0
     n = memo.prefetch(groups, _compute_dtype(model_patcher.model), model_patcher.load_device)
     if n:
-        log_once(("adaln-prefetch", memo.key, n), "H3 Turbo AdaLN: computed %d timestep groups of this schedule in "
-                 "one pass over the AdaLN weights", n)
+        _log_pass(memo, n)
     return n
 
 
@@ -587,8 +599,7 @@ def sample_wrapper(executor, noise, latent_image, sampler, sigmas, *args, **kwar
     if not getattr(getattr(sampler, "sampler_function", None), PREDICTS_ATTR, False):
         n = memo.prefetch(predict_groups(sigmas, guider.model_options, mp.model.diffusion_model, device), dtype, device)
     if n:
-        log_once(("adaln-prefetch", memo.key, n), "H3 Turbo AdaLN: computed %d timestep groups of this schedule in "
-                 "one pass over the AdaLN weights", n)
+        _log_pass(memo, n)
     outer = memo.sampling
     memo.sampling = True
     try:

@@ -67,6 +67,7 @@ def test_streamed_pass_equals_plain_pass_bit_for_bit(memo, dtype):
     for staging in ((1000, 3), (768, 1), (4 * biggest, 2)):
         got = memo.compute(_groups(), dtype, mode="streamed", staging=staging)
         assert _same(got, plain), staging
+        assert memo.last_pass[0] == "streamed" and memo.last_pass[1] > 0
     with torch.inference_mode():       # as ComfyUI's executor runs sampling
         assert _same(memo.compute(_groups(), dtype, mode="streamed", staging=(1000, 2)), plain)
     assert memo.stream_ok
@@ -105,7 +106,7 @@ def test_failed_streamed_pass_is_logged_once_and_falls_back(memo, monkeypatch, c
         first = memo.compute(_groups(), torch.float32, mode="streamed")
         second = memo.compute(_groups(), torch.float32, mode="streamed")
     assert _same(first, plain) and _same(second, plain)
-    assert calls == [1] and memo.stream_ok is False
+    assert calls == [1] and memo.stream_ok is False and memo.last_pass[0] == "plain"
     warns = [r for r in caplog.records if "streamed pass over the AdaLN weights failed" in r.getMessage()]
     assert len(warns) == 1 and warns[0].levelno == logging.WARNING
     assert "RuntimeError: cudaHostAlloc refused (test)" in warns[0].getMessage()

@@ -12,7 +12,9 @@ override's kernel with its default configuration: q / k balanced per channel and
 it, Gluon where it runs, on q / k balanced with the l that ``balance.from_k_amax`` gives for the case: what the route's
 norm-weight balance gives when the outlier channels come from the q / k norm weights), ``int8_route_rotate_only`` (the
 route when they do not: l = 1), ``int8_route_unrotated`` (neither), ``cudnn_fp8``
-(where nvidia-cudnn-frontend imports). ``extra``: per length, the guard's check (256 sampled rows x every head:
+(where nvidia-cudnn-frontend imports). Each approximate row also has ``guard``: the per-layer guard's own measure of
+that output (``guard.measure``: 256 sampled rows x every head against SDPA) and whether a layer with these inputs keeps
+running 8-bit (``runs_8bit``) or runs exact. ``extra``: per length, the guard's check (256 sampled rows x every head:
 SDPA on those rows + the measures), the rotation's cost in the K/V pre-kernel, the Q pre-kernel and the fused
 producer (``qk_norm_rope_sage``), ROTATE on vs off.
 
@@ -236,6 +238,11 @@ def main():
                 try:
                     o = fn(q, k, v)
                     acc = accuracy(o[0, heads][:, rows].float(), ref)
+                    if name != "cudnn_bf16":    # what the per-layer guard decides for a layer with these inputs
+                        gr = guard.sample_rows(S, device=q.device)
+                        gc, gl = guard.measure(o[:, :, gr].to(q.dtype), q[:, :, gr], k, v)
+                        row["guard"] = {"cos_min": gc, "rel_l2": gl,
+                                        "runs_8bit": gc >= guard.COS_MIN and gl <= guard.REL_L2_MAX}
                     del o
                     row.update(rel_l2=acc["rel_l2"], cos_min=acc["cos_min"], ms=timer(lambda fn=fn: fn(q, k, v)))
                     if name == "cudnn_bf16":

@@ -34,7 +34,8 @@ Env: OUT, TAG (json name, default denoiser_h200), DRY=1 (CPU, tiny widths: check
 blocks; default 50, DRY 3), SHAPES (comma list WxHxF, default 960x544x124), FAMILIES (comma list, default
 core_bf16,core_nvfp4,ours_exact,ours_fp8; ``ours_fp8t``: ours_fp8 loaded with ``adaln=table``, the AdaLN rows
 looked up per timestep group instead of computed from resident weights), CONFIGS (comma list of configuration names to run, default all),
-FWD_REPS (default 1), FUSED=1 (ours_fp8 also with the fused DiT blocks: ``<name>_fused``; with ATTN=int8_sage they
+FWD_REPS (default 1), TURBO4_AGAIN=1 (the 4-step run twice: ``turbo4_again_s``, the steady run with every
+timestep group cached, and ``turbo4_first_over_again``), FUSED=1 (ours_fp8 also with the fused DiT blocks: ``<name>_fused``; with ATTN=int8_sage they
 run its producer route), SETTINGS_B (a JSON dict of ``kernels.fused.SETTINGS``, and of ``runtime.prologue.SETTINGS`` as
 ``"prologue.<key>"``: every ``_fused`` row runs
 again, the same MODEL, with these settings as ``<name>_fused_b``, its errors also against ``<name>_fused``; an A/B in
@@ -698,6 +699,13 @@ def run_config(name, m, sampler, sigmas, inp, fam_base, est):
         rr["turbo4_s"] = round(wall, 4)
         rr["turbo4_forward_s"] = [round(x, 4) for x in steps]
         rr["finite_turbo4"] = all(bool(torch.isfinite(t).all()) for t in lat)
+        if TURBO4_AGAIN:    # the same 4-step run again: every timestep group cached (adaln=table's steady state)
+            w1 = WEIGHT_READS.counts
+            wall2, _, lat2 = sample4(m, sampler, sigmas, inp)
+            rr["turbo4_again_s"] = round(wall2, 4)
+            rr["turbo4_again_adaln_weight_reads"] = {k: v - w1.get(k, 0) for k, v in WEIGHT_READS.counts.items()}
+            rr["turbo4_first_over_again"] = round(wall / wall2, 4)
+            rr["turbo4_again_equal"] = all(torch.equal(a, b) for a, b in zip(lat, lat2))
         allf = sorted(fts + steps)
         rr["forward_s"] = round(allf[len(allf) // 2] if len(allf) % 2 else 0.5 * (allf[len(allf) // 2 - 1] + allf[len(allf) // 2]), 4)
         rr["first_call_overhead_s"] = round(rr["first_s"] - rr["forward_s"], 3)
@@ -902,6 +910,7 @@ FAMILIES = [f for f in os.environ.get("FAMILIES", "core_bf16,core_nvfp4,ours_exa
 CONFIGS = [c for c in os.environ.get("CONFIGS", "").split(",") if c]
 PROFILE = [c for c in os.environ.get("PROFILE", "").split(",") if c]
 ATTN = [a for a in os.environ.get("ATTN", "int8_sage,exact").split(",") if a]
+TURBO4_AGAIN = os.environ.get("TURBO4_AGAIN") == "1"
 FWD_REPS = int(os.environ.get("FWD_REPS", 1))
 HOST_PHASES = [c for c in os.environ.get("HOST_PHASES", "").split(",") if c]   # configurations: host_phases()
 GAP_OPS = int(os.environ.get("GAP_OPS", 0))   # profiles: the host ops inside the GPU's N largest idle gaps

@@ -439,25 +439,6 @@ def _project(m, plan, x8s, bf16_input: Callable[[], torch.Tensor], probe, ops, r
 _SAGE_OFF: dict[str, str] = {}
 #: device type -> why the Gluon attention kernel failed in this process (the fused route then uses the Triton kernel)
 _GLUON_OFF: dict[str, str] = {}
-#: attention module -> ((weights' identities and versions, device, rot_dim), balanced q / k norm weights)
-_BALANCED: "weakref.WeakKeyDictionary[torch.nn.Module, tuple]" = weakref.WeakKeyDictionary()
-
-
-def _balanced_norm_weights(at, qw: torch.Tensor, kw: torch.Tensor, rot_dim: int):
-    """The route's q / k norm weights with the per-channel q / k balance folded in
-    (:func:`kernels.attention.balance.fold_into_norm_weights`), computed once per attention module, device and
-    weights (a LoRA or a reload that replaces or updates a norm weight recomputes them)."""
-    from ..kernels.attention import balance
-
-    pq, pk = at.q_norm.weight, at.k_norm.weight
-    key = (id(pq), pq._version, id(pk), pk._version, str(qw.device), rot_dim)
-    hit = _BALANCED.get(at)
-    if hit is None or hit[0] != key:
-        hit = (key, balance.fold_into_norm_weights(qw, kw, rot_dim)[:2])
-        _BALANCED[at] = hit
-    return hit[1]
-
-
 def _int8_kernels():
     from ..kernels.attention import int8_kernels
 
@@ -620,8 +601,12 @@ def fused_forward(block, x, t_emb, mod_segments, rope_freqs, transformer_options
         # here and writes e4m3 for an fp8 out_proj (a failure disables this route, logged once, and reruns the block:
         # x is not modified before the fc1 producer, except by the previous block's gated residual applied above)
         override, cfg = sage
-        if cfg.get("BALANCE", True):    # q x l, k / l per channel folded into the norm weights (exact: l = 2^n)
-            qw, kw = _balanced_norm_weights(at, qw, kw, int(rope_freqs.shape[-3]) * 2)
+        if cfg.get("BALANCE", True):
+            # q x l, k / l per channel folded into the norm weights (exact: l = 2^n); computed per call from the
+            # weights this call reads (a few [head_dim] ops: no cache that an in-place LoRA patch could leave stale)
+            from ..kernels.attention import balance
+
+            qw, kw, _ = balance.fold_into_norm_weights(qw, kw, int(rope_freqs.shape[-3]) * 2)
         failed = None
         try:
             prep = ops.qk_norm_rope_sage(qkv, heads, dh, rope_freqs, qw, kw, _eps(at.q_norm, x), rotate=cfg["ROTATE"])

@@ -253,8 +253,8 @@ def test_process_state_lives_in_named_stores():
 OLD_NODE_DESCRIPTION = (
     "Attention backend for this model only. auto = exact: exact SDPA with the backend measured fastest on this "
     "GPU at first use (cuDNN on Hopper); core's path on CPU. sdpa_core: core's PyTorch attention (FA2 first), "
-    "for comparison. int8_sage: 8-bit attention (Hadamard-rotated INT8 Q.K, FP8 P.V; approximate, ~4% relative "
-    "error per call; each layer checked once, a failing layer runs exact; faster than exact on Hopper, "
+    "for comparison. int8_sage: 8-bit attention (INT8 Q.K with q/k balanced per channel and Hadamard-rotated, FP8 "
+    "P.V; approximate, ~4% relative error per call; each layer checked once, a failing layer runs exact; faster than exact on Hopper, "
     "docs/attention.md); needs a GPU with FP8 (sm_89+), else exact.")
 #: issue 21 appended the new backends' sentences (their summaries) after the old description
 OLD_NODE_DESCRIPTION += "".join(f" {n}: {R.get(n).summary}" for n in EXPECTED_CHOICES[4:])

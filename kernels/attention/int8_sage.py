@@ -149,13 +149,13 @@ class Int8SageBackend(AttentionBackend):
     """``int8_sage``: :func:`int8_override` on the model; approximate, so never what ``auto`` picks."""
 
     name = NAME
-    summary = ("8-bit attention (Hadamard-rotated INT8 Q.K, FP8 P.V; approximate, ~4% relative error per call; each "
-               "layer checked once, a failing layer runs exact; faster than exact on Hopper, docs/attention.md); needs "
-               "a GPU with FP8 (sm_89+), else exact.")
+    summary = ("8-bit attention (INT8 Q.K with q/k balanced per channel and Hadamard-rotated, FP8 P.V; approximate, ~4% "
+               "relative error per call; each layer checked once, a failing layer runs exact; faster than exact on "
+               "Hopper, docs/attention.md); needs a GPU with FP8 (sm_89+), else exact.")
     approximate = True
     fallback = "exact"
-    apply_note = ("8-bit attention (int8_sage: Hadamard-rotated INT8 Q.K, FP8 P.V) on this MODEL: approximate, ~4% "
-                  "relative per attention call; each attention layer is checked against exact attention on its first "
+    apply_note = ("8-bit attention (int8_sage: INT8 Q.K with q/k balanced per channel and Hadamard-rotated, FP8 P.V) "
+                  "on this MODEL: approximate, ~4% relative per attention call; each attention layer is checked against exact attention on its first "
                   "call of a shape and runs exact from then on if it fails; inputs it does not take run exact attention")
     # bf16 inputs, vs float32 attention (fp8 P V: ~4 % relative L2 on H3-like inputs)
     tolerance = Tolerance(rel_l2=0.06, cos_min=0.998, dtype=torch.bfloat16)

@@ -160,8 +160,10 @@ class Memo:
         dev = groups[0].device
         mods = self._mods.modules
         if mode == "auto":
-            on_cpu = all(t.device.type == "cpu" for m in _order(mods) for t in _tensors_of(m).values())
-            mode = "streamed" if dev.type == "cuda" and on_cpu else "plain"
+            mode, why = auto_mode(mods, dev)
+            if why:
+                log_once(("adaln-stream-off", self.key, why), "H3 Turbo AdaLN (adaln=table): %s -> this model's "
+                         "first-run pass copies its weights module by module (not streamed)", why)
         out, t0 = None, time.perf_counter()
         if mode == "streamed" and self.stream_ok:
             try:
@@ -368,6 +370,19 @@ def _pieces(nbytes: int, size: int) -> list[tuple[int, int]]:
 def _rows(out, n: int) -> torch.Tensor:
     """An ``AdalnProj`` output (its chunks) as [n, expand * modalities * hidden] rows, as the memo stores them."""
     return torch.cat(out, -1).reshape(n, -1)
+
+
+def auto_mode(mods: dict, device) -> tuple[str, str | None]:
+    """(``streamed`` or ``plain``, why not streamed where that needs saying): streamed on CUDA when every weight is in
+    CPU memory and contiguous. The streamed pass computes on contiguous copies of the bytes, and a strided weight can
+    sum in another order there, so such a model keeps the plain pass (the module's own layout: bit-identity to
+    resident weights)."""
+    ts = [t for m in _order(mods) for t in _tensors_of(m).values()]
+    if torch.device(device).type != "cuda" or not all(t.device.type == "cpu" for t in ts):
+        return "plain", None
+    if not all(t.is_contiguous() for t in ts):
+        return "plain", "a non-contiguous AdaLN weight"
+    return "streamed", None
 
 
 def plain_rows(mods: dict, groups: list[torch.Tensor], dtype: torch.dtype):

@@ -124,3 +124,17 @@ def test_auto_is_plain_on_the_cpu_and_a_bad_mode_is_refused(memo, monkeypatch):
     assert _same(memo.compute(_groups(), torch.float32), memo.compute(_groups(), torch.float32, mode="plain"))
     with pytest.raises(ValueError, match="mode='fast': expected auto, plain or streamed"):
         memo.compute(_groups(), torch.float32, mode="fast")
+
+
+def test_auto_mode_streams_only_contiguous_cpu_weights_on_cuda(memo):
+    """The choice ``auto`` makes, per device and weight layout: streamed for contiguous CPU weights on a CUDA device;
+    plain on the CPU; plain, with the reason, for a strided weight (the streamed pass computes on contiguous copies,
+    which could sum in another order)."""
+    from h3_turbo.runtime import adaln_memo as M
+
+    mods = memo._mods.modules
+    assert M.auto_mode(mods, torch.device("cuda")) == ("streamed", None)
+    assert M.auto_mode(mods, torch.device("cpu")) == ("plain", None)
+    fin = torch.nn.Linear(4, 6, bias=False)
+    fin.weight = torch.nn.Parameter(torch.zeros(4, 6).t(), requires_grad=False)     # a strided [6, 4] weight
+    assert M.auto_mode(dict(mods, final=fin), torch.device("cuda")) == ("plain", "a non-contiguous AdaLN weight")

@@ -360,8 +360,37 @@ def test_norm_weight_balance_is_exact_powers_of_two_per_rope_pair():
             assert l2 == 1.0, (r, l2)
     with pytest.raises(ValueError, match="rot_dim"):
         balance.fold_into_norm_weights(qw, kw, 7)
+    for bad_rot in (4.0, None, True):
+        with pytest.raises(ValueError, match="rot_dim"):
+            balance.fold_into_norm_weights(qw, kw, bad_rot)
     with pytest.raises(ValueError, match=r"two \[D\]"):
         balance.fold_into_norm_weights(qw, kw[:64], 0)
+    with pytest.raises(ValueError, match=r"D >= 1"):
+        balance.fold_into_norm_weights(qw[:0], kw[:0], 0)
+    with pytest.raises(ValueError, match="bf16 / fp16"):
+        balance.fold_into_norm_weights(qw.to(torch.float8_e4m3fn), kw.to(torch.float8_e4m3fn), 0)
+    with pytest.raises(ValueError, match="floating-point tensor"):
+        balance.pow2_sqrt(16.0)
+    # fp16 (a narrower exponent range): a pair whose product would overflow, underflow or round keeps l = 1, the
+    # others are balanced, every product exact; float32's range: ratios beyond it clamp rather than read as inf
+    q16 = torch.ones(d, dtype=torch.float16)
+    k16 = torch.ones(d, dtype=torch.float16)
+    q16[100], k16[100] = 200.0, 60000.0          # l = 16: 200 * 16 fits, 60000 / 16 fits -> kept
+    q16[110], k16[110] = 0.05, 60000.0           # ratio 1.2e6 -> l = 512: 0.05 * 512 fits, 60000 / 512 rounds
+    q16[5], k16[5] = 1e-4, 24.0                  # a RoPE pair (5, 53): balanced together
+    q16[120], k16[120] = 1.2e-7, 1e-3            # l = 128 would make k / l subnormal in fp16 (rounded): l = 1
+    q16[[12, 60]], k16[[12, 60]] = 1.2e-7, 1e-3  # the same in RoPE pair (12, 60): the pair keeps l = 1
+    qb, kb, lam = balance.fold_into_norm_weights(q16, k16, rot)
+    assert torch.isfinite(qb).all() and torch.isfinite(kb).all()
+    assert torch.equal(qb.double(), q16.double() * lam.double()) and torch.equal(kb.double(), k16.double() / lam.double())
+    assert lam[5] == lam[53] == 4 and lam[100] == 16 and lam[110] == 1024, lam
+    assert lam[120] == 1 and lam[12] == lam[60] == 1, lam
+    _, _, lam32 = balance.fold_into_norm_weights(q16.float(), k16.float(), rot)        # float32: nothing to revert
+    assert lam32[120] == 128 and lam32[12] == lam32[60] == 128 and lam32[110] == 1024, lam32
+    big = balance.pow2_sqrt(torch.tensor([1e300, 3.4e38, 1e-300], dtype=torch.float64))
+    assert big.tolist() == [2.0 ** balance.MAX_EXP, 2.0 ** balance.MAX_EXP, 2.0 ** -balance.MAX_EXP]
+    _, _, lam_far = balance.fold_into_norm_weights(torch.full((4,), 1e-30), torch.full((4,), 1e10).index_fill(0, torch.tensor([0]), 1e30), 0)
+    assert lam_far[0] == 2.0 ** balance.MAX_EXP and (lam_far[1:] == 1).all(), lam_far
 
 
 @interp

@@ -14,7 +14,8 @@ the balanced q.k equals the unbalanced one bit for bit before quantization. Two 
   over the smoothed k, relative to the median channel).
 * :func:`fold_into_norm_weights`: from the q / k RMSNorm weights (the fused route, whose producer quantizes q
   before any K statistic exists: ``r_c = |w_k,c| / |w_q,c|``, relative to the median; the two channels of a RoPE
-  pair get one ``l``, so the scaling commutes with the rotation and folds into the weights at no cost).
+  pair get one ``l``, so the scaling commutes with the rotation and folds into the weights the RMSNorm launch reads:
+  a few [head_dim] ops per call, no pass over the activations).
 """
 from __future__ import annotations
 
@@ -27,12 +28,16 @@ MAX_EXP = 12
 def pow2_sqrt(ratio: torch.Tensor) -> torch.Tensor:
     """``2 ** floor(e / 2)`` for ``ratio = m * 2 ** e`` (``torch.frexp``, m in [0.5, 1)): a power of two within a
     factor sqrt(2) of ``sqrt(ratio)``, from integer arithmetic only (the same on every device); 1 where ``ratio`` is 0,
-    negative or not finite; the exponent clamped to [-MAX_EXP, MAX_EXP]. float32, ``ratio``'s shape."""
-    r = ratio.float()
+    negative or not finite; the exponent clamped to [-MAX_EXP, MAX_EXP]. float32, ``ratio``'s shape (a float64
+    ``ratio`` is read in float64, so ratios beyond float32's range clamp instead of counting as not finite)."""
+    if not isinstance(ratio, torch.Tensor) or not ratio.is_floating_point():
+        raise ValueError(f"attention balance: ratio must be a floating-point tensor, got {type(ratio).__name__} "
+                         f"{getattr(ratio, 'dtype', '')}")
+    r = ratio if ratio.dtype == torch.float64 else ratio.float()
     ok = torch.isfinite(r) & (r > 0)
     _, e = torch.frexp(torch.where(ok, r, torch.ones_like(r)))
     e = torch.where(ok, torch.div(e, 2, rounding_mode="floor"), torch.zeros_like(e)).clamp(-MAX_EXP, MAX_EXP)
-    return torch.ldexp(torch.ones_like(r), e)
+    return torch.ldexp(torch.ones_like(r, dtype=torch.float32), e)
 
 
 def _relative(x: torch.Tensor) -> torch.Tensor:
@@ -60,15 +65,22 @@ def fold_into_norm_weights(q_weight: torch.Tensor, k_weight: torch.Tensor, rot_d
     """(q_weight * l, k_weight / l, l) for the q / k RMSNorm weights [D] of a per-head RMSNorm followed by core's
     split-half RoPE on the first ``rot_dim`` channels (channel c < rot_dim / 2 pairs with c + rot_dim / 2): ``l``
     [D] float32 is :func:`pow2_sqrt` of ``|w_k| / |w_q|`` (each pair's larger |w| on either side) relative to its
-    median. The products are exact (powers of two), in the weights' dtype. ValueError on mismatched shapes or an odd
-    / too large ``rot_dim``."""
-    if q_weight.shape != k_weight.shape or q_weight.ndim != 1:
-        raise ValueError(f"attention balance: q / k norm weights must be two [D] tensors, got {tuple(q_weight.shape)}, "
-                         f"{tuple(k_weight.shape)}")
+    median. The products are exact (powers of two), in the weights' dtype: in a dtype narrower than float32's
+    exponent range (fp16) a channel pair whose product would overflow, underflow or round keeps l = 1. ValueError on
+    non-float or mismatched weights or an odd / too large ``rot_dim``."""
+    ok_dtypes = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
+    if not (isinstance(q_weight, torch.Tensor) and isinstance(k_weight, torch.Tensor)) \
+            or q_weight.dtype not in ok_dtypes or k_weight.dtype not in ok_dtypes:
+        raise ValueError(f"attention balance: q / k norm weights must be bf16 / fp16 / fp32 / fp64 tensors, got "
+                         f"{getattr(q_weight, 'dtype', type(q_weight).__name__)}, "
+                         f"{getattr(k_weight, 'dtype', type(k_weight).__name__)}")
+    if q_weight.shape != k_weight.shape or q_weight.ndim != 1 or q_weight.shape[0] < 1:
+        raise ValueError(f"attention balance: q / k norm weights must be two [D] tensors (D >= 1), got "
+                         f"{tuple(q_weight.shape)}, {tuple(k_weight.shape)}")
     d = q_weight.shape[0]
-    if rot_dim < 0 or rot_dim % 2 or rot_dim > d:
-        raise ValueError(f"attention balance: rot_dim {rot_dim}; expected an even number in [0, {d}]")
-    aq, ak = q_weight.float().abs(), k_weight.float().abs()
+    if not isinstance(rot_dim, int) or isinstance(rot_dim, bool) or rot_dim < 0 or rot_dim % 2 or rot_dim > d:
+        raise ValueError(f"attention balance: rot_dim {rot_dim!r}; expected an even int in [0, {d}]")
+    aq, ak = q_weight.double().abs(), k_weight.double().abs()
     h = rot_dim // 2
     if h:
         for a in (aq, ak):
@@ -76,4 +88,12 @@ def fold_into_norm_weights(q_weight: torch.Tensor, k_weight: torch.Tensor, rot_d
             a[:h], a[h:rot_dim] = m, m
     ratio = torch.where(aq > 0, ak / torch.where(aq > 0, aq, torch.ones_like(aq)), torch.zeros_like(ak))
     lam = pow2_sqrt(_relative(ratio))
-    return (q_weight * lam.to(q_weight.dtype)), (k_weight / lam.to(k_weight.dtype)), lam
+    qb, kb = q_weight * lam.to(q_weight.dtype), k_weight / lam.to(k_weight.dtype)
+    if torch.finfo(q_weight.dtype).max < 1e38 or torch.finfo(k_weight.dtype).max < 1e38:
+        bad = (qb.double() != q_weight.double() * lam.double()) | (kb.double() != k_weight.double() / lam.double())
+        if h:
+            pair = bad[:h] | bad[h:rot_dim]
+            bad = torch.cat([pair, pair, bad[rot_dim:]])
+        lam = torch.where(bad, torch.ones_like(lam), lam)
+        qb, kb = q_weight * lam.to(q_weight.dtype), k_weight / lam.to(k_weight.dtype)
+    return qb, kb, lam

@@ -161,13 +161,15 @@ def declared_inputs() -> dict[str, set[str]]:
     """{class_type: declared input names (required, optional, hidden)} of every node ComfyUI has registered."""
     import nodes
 
+    from .client import input_names
+
     out = {}
     for name, cls in nodes.NODE_CLASS_MAPPINGS.items():
         try:
             types = cls.INPUT_TYPES()
         except Exception:   # a node whose inputs cannot be listed without its runtime: not checked
             continue
-        out[name] = {n for sect in ("required", "optional", "hidden") for n in (types.get(sect) or {})}
+        out[name] = input_names(types)
     return out
 
 

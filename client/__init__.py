@@ -134,11 +134,16 @@ def misspelt_inputs(prompt: dict, known: dict[str, set[str]]) -> list[str]:
     return out
 
 
+def input_names(types: dict | None) -> set[str]:
+    """The declared input names (required, optional, hidden) of one node's ``INPUT_TYPES()`` or ``/object_info``
+    ``input`` dict."""
+    return {n for sect in ("required", "optional", "hidden") for n in ((types or {}).get(sect) or {})}
+
+
 def object_info_inputs(object_info: dict) -> dict[str, set[str]]:
     """{class_type: declared input names} from ComfyUI's ``GET /object_info`` body (``input``: required, optional,
     hidden)."""
-    return {cls: {n for sect in ("required", "optional", "hidden") for n in ((info.get("input") or {}).get(sect) or {})}
-            for cls, info in object_info.items() if isinstance(info, dict)}
+    return {cls: input_names(info.get("input")) for cls, info in object_info.items() if isinstance(info, dict)}
 
 
 # ----------------------------------------------------------------------------------------- errors
@@ -218,6 +223,17 @@ class Client:
                 return self._wait_scan(path, r.json(), wait) if rescan else r.json()
             last = f"GET {self.server}{path}: HTTP {r.status_code}: {r.text[:300]}"
         raise ClientError(f"{last} (is the H3 Turbo pack loaded in this ComfyUI?)")
+
+    def _declared_inputs(self, prompt: dict) -> dict[str, set[str]]:
+        """{class_type: declared input names} of the classes ``prompt`` uses, from ``GET /object_info/<class>`` (one
+        small request per class, kept for this client's later prompts; a class the server does not know: empty)."""
+        from urllib.parse import quote
+
+        known = self.__dict__.setdefault("_declared", {})
+        for cls in {n.get("class_type") for n in prompt.values() if isinstance(n, dict)} - set(known) - {None}:
+            known.update(object_info_inputs(self._get_ok("/object_info/" + quote(str(cls), safe=""))))
+            known.setdefault(cls, set())
+        return known
 
     def _get_ok(self, path: str, **query) -> dict:
         r = self._get(path, **query)
@@ -361,7 +377,7 @@ class Client:
         import websocket
 
         try:
-            typos = misspelt_inputs(prompt, object_info_inputs(self._get_ok("/object_info")))
+            typos = misspelt_inputs(prompt, self._declared_inputs(prompt))
         except Exception:   # no /object_info to read: the connection error comes below, ComfyUI's validation runs
             typos = []
         if typos:

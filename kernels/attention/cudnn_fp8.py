@@ -258,7 +258,7 @@ class CudnnFP8Backend(AttentionBackend):
                "layer runs exact); needs sm_90+, else exact.")
     approximate = True
     fallback = "exact"
-    apply_note = ("cuDNN FP8 attention (cudnn_fp8) on this MODEL: approximate, ~6% relative per attention call; "
+    apply_note = ("cuDNN FP8 attention (cudnn_fp8) on this MODEL: approximate, ~7% relative per attention call; "
                   "each attention layer is checked against exact attention on its first call of a shape and runs "
                   "exact from then on if it fails; inputs it does not take run exact attention")
     # the CPU check runs the eager model of the kernel's quantization (emulate_sdpa_fp8), bf16 inputs vs float32

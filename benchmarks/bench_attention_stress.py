@@ -173,7 +173,8 @@ def extra_timings(S, q, k, v):
         c = dict(K.tuned_config(DEV, S), ROTATE=rot, BALANCE=rot)
         e[f"quantize_kv_ms_rot{int(rot)}"] = timer(lambda c=c: K.quantize_kv(k, v, c))
         if c["QPRE"]:
-            e[f"quantize_q_ms_rot{int(rot)}"] = timer(lambda c=c: K.quantize_q(q, 1.0, c))
+            lam = K.quantize_kv(k, v, c)["lam"]
+            e[f"quantize_q_ms_rot{int(rot)}"] = timer(lambda c=c, lam=lam: K.quantize_q(q, 1.0, c, lam=lam))
     e["quantize_kv_ms_rot1_bal0"] = timer(lambda: K.quantize_kv(k, v, dict(K.tuned_config(DEV, S), BALANCE=False)))
     try:
         from h3_turbo.kernels import fused as fk

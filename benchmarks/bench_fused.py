@@ -352,8 +352,8 @@ def kernels_part():
 
             def unfused_prep():
                 v = fk.qk_norm_rope(b0, HEADS, HD, table, qw, kw, 1e-6)
-                q8 = K.quantize_q(view(b0[:, :inner]), HD ** -0.5 * K.LOG2E, tuned)
                 kv = K.quantize_kv(view(b0[:, inner:2 * inner]), v.transpose(0, 1).unsqueeze(0), tuned)
+                q8 = K.quantize_q(view(b0[:, :inner]), HD ** -0.5 * K.LOG2E, tuned, lam=kv["lam"])
                 return q8, kv
 
             def fused_prep():       # what the route runs before the kernel (the partials reduced by quantize_kv)

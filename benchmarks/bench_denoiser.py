@@ -924,21 +924,34 @@ RESULT_KEYS = ("forward_s", "turbo4_s", "peak_gb", "resident_gb", "rel_err_forwa
                "ratio_forward_to_core_nvfp4", "ratio_turbo4_to_core_nvfp4")
 
 
+def _gpu_slug(res: dict) -> str:
+    """'h200' / 'h100' / ... from a run file's ``env.gpu`` ('unknown' without one)."""
+    m = re.search(r"[A-Z]\d{2,4}", str(res.get("env", {}).get("gpu", "")))
+    return m.group(0).lower() if m else "unknown"
+
+
 def merge(paths, out_json):
     """The issue's result file from raw run files (MERGE=run1.json,run2.json): per shape, per configuration the
     RESULT_KEYS (+ first-call and per-step times, the run it came from); ratios recomputed against the
     core_nvfp4 row with the same Turbo setting and shape (from whichever run has it); errors as each run
     measured them (None where the reference did not run in the same process); the targets."""
     runs = [json.load(open(p)) for p in paths]
-    out: dict = {"meta": {"runs": [os.path.basename(p) for p in paths], "reference_rules": summarize.__doc__.strip()},
+    gpus = [_gpu_slug(r) for r in runs]
+    out: dict = {"meta": {"runs": [os.path.basename(p) for p in paths], "gpu": gpus[0],
+                          "reference_rules": summarize.__doc__.strip(),
+                          "keys": "shape for runs on meta.gpu; '<gpu>:<shape>' for runs on another GPU (ratios within "
+                                  "a GPU only); a fused row whose run logged the fused route's failure is left out"},
                  "profiles": {}, "targets": {}}
     for ri, res in enumerate(runs):
         fams = res.get("families", {})
+        route_failed = any("fused int8_sage route failed" in str(line) for line in res.get("log", []))
         for sk, rows in res.get("shapes", {}).items():
-            dst = out.setdefault(sk, {})
+            dst = out.setdefault(sk if gpus[ri] == gpus[0] else f"{gpus[ri]}:{sk}", {})
             for n, r in rows.items():
                 if not r.get("forward_s") or re.search(r"_fused_(b|sage)(_|$)", n):
                     continue    # an A/B row (SETTINGS_B; FUSED_SAGE=ab of older runs) stays in its run's file
+                if route_failed and "_fused" in n:
+                    continue    # the route fell back to the unfused override in that run: not a fused measurement
                 row = {k: r.get(k) for k in RESULT_KEYS}
                 row.update({k: r.get(k) for k in ("first_s", "first_call_overhead_s", "turbo4_forward_s",
                                                    "sampler_overhead_s", "to_gpu_s", "reference_forward",
@@ -954,7 +967,7 @@ def merge(paths, out_json):
                 dst[n] = row
         for sk, pr in res.get("profiles", {}).items():
             out["profiles"].setdefault(sk, {}).update(pr)
-    for sk in [k for k in out if "x" in k and k[0].isdigit()]:
+    for sk in [k for k in out if re.fullmatch(r"([a-z0-9]+:)?\d+x\d+x\d+", k)]:
         rows = out[sk]
         for n, r in rows.items():
             core = rows.get("core_nvfp4" + ("_turbo4" if n.endswith("_turbo4") else ""))

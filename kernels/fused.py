@@ -226,7 +226,8 @@ if triton is not None:
     @triton.jit
     def _qk_rope_kernel(x_ptr, w_ptr, f_ptr, q8_ptr, qs_ptr, S, H, eps, stride_x, stride_fs, stride_fi, stride_fr,
                         stride_fc, D: tl.constexpr, R2: tl.constexpr, BS: tl.constexpr, SAGE: tl.constexpr,
-                        HP: tl.constexpr, INTERP: tl.constexpr, ROTATE: tl.constexpr = False):
+                        HP: tl.constexpr, INTERP: tl.constexpr, ROTATE: tl.constexpr = False,
+                        BALANCE: tl.constexpr = False, MAX_EXP: tl.constexpr = 12):
         """Rows [BS * pid0, +BS); pid1 = 0 / 1: every q / k head normed (weights w_ptr [2, D]: q's, k's) and rotated in
         place; v is not touched. Column c of a head is combined with its partner p(c) = c + R2 (c < R2), c - R2
         (R2 <= c < 2 R2), c (pass-through): out_c = A_c n_c + B_c n_p(c) with (A, B) = (f00, f01), (f11, f10), (1, 0);
@@ -235,7 +236,9 @@ if triton is not None:
         [S, H, D] with max|row| / 127 into qs_ptr [S, H] (collected over the head loop in a [BS, HP >= H] tile and
         stored once after it, so no layout conversion sits in the loop; q is not written back); k rotated in place as
         above. ROTATE (with SAGE): q times the unnormalised Hadamard matrix H_D before its quantization
-        (int8_kernels._fwht; k is rotated by int8_sage's K pre-kernel)."""
+        (int8_kernels._fwht; k is rotated by int8_sage's K pre-kernel). BALANCE: q's weights times l, k's divided by
+        l, l = 2^n per channel from the weights' float32 exponent fields (``attention.balance.norm_weight_exponents``:
+        the same integer arithmetic), so q.k is unchanged (powers of two: exact in float32)."""
         part = tl.program_id(1)
         rows = tl.program_id(0) * BS + tl.arange(0, BS)
         rm = rows < S
@@ -255,6 +258,21 @@ if triton is not None:
         cb = tl.load(fb + b_off[None, :], mask=fm, other=0.0).to(tl.float32)
         w = tl.load(w_ptr + part * D + cols).to(tl.float32)
         wp = tl.load(w_ptr + part * D + pc).to(tl.float32)
+        if BALANCE:
+            # e2_c = clamp(trunc((E(|w_k|) - E(|w_q|)) / 2), +-MAX_EXP), E the float32 exponent field of a RoPE pair's
+            # larger |w| (0 where either field is 0 or 255); l = 2^e2 is symmetric in the pair, so wp takes l_c too
+            aq = tl.maximum(tl.abs(tl.load(w_ptr + cols).to(tl.float32)), tl.abs(tl.load(w_ptr + pc).to(tl.float32)))
+            ak = tl.maximum(tl.abs(tl.load(w_ptr + D + cols).to(tl.float32)),
+                            tl.abs(tl.load(w_ptr + D + pc).to(tl.float32)))
+            fq = (aq.to(tl.int32, bitcast=True) >> 23) & 255
+            fk = (ak.to(tl.int32, bitcast=True) >> 23) & 255
+            ok = (fq > 0) & (fq < 255) & (fk > 0) & (fk < 255)
+            dd = fk - fq
+            e2 = tl.where(ok, tl.where(dd >= 0, dd // 2, -((-dd) // 2)), 0)    # trunc(dd / 2), non-negative //
+            e2 = tl.minimum(tl.maximum(e2, -MAX_EXP), MAX_EXP) * (1 - 2 * part)    # q: x l, k: / l
+            lam = ((e2 + 127) << 23).to(tl.float32, bitcast=True)
+            w = w * lam
+            wp = wp * lam
         hcols = tl.arange(0, HP)
         qsc = tl.zeros([BS, HP], dtype=tl.float32)
         base = row_base + (part * H) * D
@@ -457,19 +475,23 @@ def _qk_rope_checks(where, qkv, heads, head_dim, freqs, q_weight, k_weight, eps)
         raise ValueError(f"{where}: eps {eps!r}, expected a finite number >= 0")
 
 
-def _qk_rope_launch(qkv, heads, head_dim, freqs, q_weight, k_weight, eps, sage, rotate: bool = False) -> None:
+def _qk_rope_launch(qkv, heads, head_dim, freqs, q_weight, k_weight, eps, sage, rotate: bool = False,
+                    balance: bool = False) -> None:
     """The kernel's launch: programs for q and k; ``sage`` = (q8, qs) or None."""
+    from .attention.balance import MAX_EXP
+
     s = qkv.shape[0]
     q8, qs = sage if sage is not None else (qkv, qkv)
     _qk_rope_kernel[(triton.cdiv(s, ROPE_ROWS), 2)](
         qkv, torch.cat((q_weight.reshape(-1), k_weight.reshape(-1))), freqs, q8, qs, s, heads, float(eps),
         qkv.stride(0), freqs.stride(1), freqs.stride(3), freqs.stride(4), freqs.stride(5), D=head_dim,
         R2=int(freqs.shape[3]), BS=ROPE_ROWS, SAGE=sage is not None, HP=triton.next_power_of_2(heads),
-        INTERP=INTERPRET, ROTATE=bool(rotate) and sage is not None, num_warps=4 if INTERPRET else ROPE_WARPS)
+        INTERP=INTERPRET, ROTATE=bool(rotate) and sage is not None, BALANCE=bool(balance), MAX_EXP=MAX_EXP,
+        num_warps=4 if INTERPRET else ROPE_WARPS)
 
 
 def qk_norm_rope_sage(qkv: torch.Tensor, heads: int, head_dim: int, freqs: torch.Tensor, q_weight: torch.Tensor,
-                      k_weight: torch.Tensor, eps: float, rotate: bool = True) -> dict:
+                      k_weight: torch.Tensor, eps: float, rotate: bool = True, balance: bool = False) -> dict:
     """:func:`qk_norm_rope` producing the ``int8_sage`` attention's inputs (kernel (f)): q is quantized to INT8 per
     (row, head) straight from its rounded rotated values in the same launch (SageAttention's per-token Q
     quantization, ``q8 = round_half_away(q * 127 / max|q_row|)``), k is rotated in place, v is not copied; then one
@@ -479,10 +501,15 @@ def qk_norm_rope_sage(qkv: torch.Tensor, heads: int, head_dim: int, freqs: torch
     their sum over dim 0 is the column sum), "vamax": float32 [R, heads, head_dim] (partial maxima of |v|)}`` (the
     arguments of :func:`.attention.int8_kernels.sage_attention_prequantized`); qkv's q columns keep their input
     values. ``rotate`` (default): q is multiplied by the unnormalised Hadamard matrix H_D before its quantization
-    (int8_sage's ``ROTATE``, which must match: :func:`.attention.int8_kernels.fwht`). Eager reference
-    :func:`qk_norm_rope_sage_ref`. ValueError naming the argument on bad input."""
+    (int8_sage's ``ROTATE``, which must match: :func:`.attention.int8_kernels.fwht`). ``balance``: the norm weights
+    balanced in the launch, q's times l and k's divided by l (:func:`.attention.balance.fold_into_norm_weights`: the
+    same outputs as passing its float32 weights), so k is stored divided by l; bf16 qkv only (fp16's exponent range
+    leaves no room: ValueError). Eager reference :func:`qk_norm_rope_sage_ref`. ValueError naming the argument on bad
+    input."""
     where = "fused.qk_norm_rope_sage"
     _qk_rope_checks(where, qkv, heads, head_dim, freqs, q_weight, k_weight, eps)
+    if balance and qkv.dtype != torch.bfloat16:
+        raise ValueError(f"{where}: balance=True needs bf16 qkv (k / l is stored in qkv's dtype), got {qkv.dtype}")
     s, dev = qkv.shape[0], qkv.device
     q8 = torch.empty((s, heads, head_dim), device=dev, dtype=torch.int8)
     qs = torch.empty((s, heads), device=dev, dtype=torch.float32)
@@ -491,7 +518,7 @@ def qk_norm_rope_sage(qkv: torch.Tensor, heads: int, head_dim: int, freqs: torch
         return {"q8": q8, "qs": qs, "ksum": z, "vamax": z.clone()}
     from .attention.int8_kernels import kv_partial_stats
 
-    _qk_rope_launch(qkv, heads, head_dim, freqs, q_weight, k_weight, eps, (q8, qs), rotate=rotate)
+    _qk_rope_launch(qkv, heads, head_dim, freqs, q_weight, k_weight, eps, (q8, qs), rotate=rotate, balance=balance)
     inner = heads * head_dim
     ksum, vamax = kv_partial_stats(qkv[:, inner:2 * inner].view(s, heads, head_dim),
                                    qkv[:, 2 * inner:].view(s, heads, head_dim), parts=SAGE_STATS_PARTS)
@@ -578,10 +605,16 @@ def qk_norm_rope_ref(qkv: torch.Tensor, heads: int, head_dim: int, freqs: torch.
 
 
 def qk_norm_rope_sage_ref(qkv: torch.Tensor, heads: int, head_dim: int, freqs: torch.Tensor, q_weight: torch.Tensor,
-                          k_weight: torch.Tensor, eps: float, dtype=torch.float64, rotate: bool = True) -> dict:
+                          k_weight: torch.Tensor, eps: float, dtype=torch.float64, rotate: bool = True,
+                          balance: bool = False) -> dict:
     """Eager reference of :func:`qk_norm_rope_sage` (never modifies qkv): :func:`qk_norm_rope_ref`'s rotated q / k
-    (rounded to qkv's dtype), then q (times H_D with ``rotate``) quantized per (row, head) with the kernel's float32 formula; returns the
-    kernel's dict (``q8`` as int8, sums / maxima in ``dtype``) plus ``new`` (the rotated [S, 3 * inner] tensor)."""
+    (rounded to qkv's dtype; with ``balance`` from :func:`.attention.balance.fold_into_norm_weights`' weights), then
+    q (times H_D with ``rotate``) quantized per (row, head) with the kernel's float32 formula; returns the kernel's
+    dict (``q8`` as int8, sums / maxima in ``dtype``) plus ``new`` (the rotated [S, 3 * inner] tensor)."""
+    if balance:
+        from .attention.balance import fold_into_norm_weights
+
+        q_weight, k_weight, _ = fold_into_norm_weights(q_weight, k_weight, 2 * int(freqs.shape[3]))
     s = qkv.shape[0]
     inner = heads * head_dim
     new = qk_norm_rope_ref(qkv, heads, head_dim, freqs, q_weight, k_weight, eps, dtype=dtype)

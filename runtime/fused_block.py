@@ -514,15 +514,20 @@ def _sage_route(transformer_options, x, head_dim: int, ops):
     return ov, c
 
 
-def _guard_passes(guard, layer, qkv, heads, dh, freqs, qw, kw, eps, k4, v4, res, fp8_out) -> bool:
+def _guard_passes(guard, layer, qkv, heads, dh, freqs, qw, kw, eps, k4, v4, res, fp8_out, balance) -> bool:
     """The int8_sage route's accuracy guard (``kernels/attention/guard.py``) on this block's first call of a shape: the
-    exact q of the sampled rows from qkv's q columns (unchanged by ``qk_norm_rope_sage``) by the eager RMSNorm + RoPE,
-    the route's output rows (dequantized from e4m3 with ``fp8_out``); True when the block passes or was checked."""
+    exact q of the sampled rows from qkv's q columns (unchanged by ``qk_norm_rope_sage``) by the eager RMSNorm + RoPE
+    (with ``balance`` the balanced weights, matching k4 = k / l), the route's output rows (dequantized from e4m3 with
+    ``fp8_out``); True when the block passes or was checked."""
     from ..kernels.attention.exact import shape_key
 
     key = shape_key(k4, k4)
     if not guard.needs_check(layer, key):
         return True
+    if balance:
+        from ..kernels.attention import balance as bal
+
+        qw, kw, _ = bal.fold_into_norm_weights(qw, kw, 2 * int(freqs.shape[-3]))
     s, inner = qkv.shape[0], heads * dh
     rows = guard.sample(s, qkv.device)
     qr = fk.qk_norm_rope_ref(qkv[rows], heads, dh, freqs[:, rows], qw, kw, eps)[:, :inner]
@@ -601,22 +606,27 @@ def fused_forward(block, x, t_emb, mod_segments, rope_freqs, transformer_options
         # here and writes e4m3 for an fp8 out_proj (a failure disables this route, logged once, and reruns the block:
         # x is not modified before the fc1 producer, except by the previous block's gated residual applied above)
         override, cfg = sage
-        if cfg.get("BALANCE", True):
-            # q x l, k / l per channel folded into the norm weights (exact: l = 2^n); computed per call from the
-            # weights this call reads (a few [head_dim] ops: no cache that an in-place LoRA patch could leave stale)
-            from ..kernels.attention import balance
-
-            qw, kw, _ = balance.fold_into_norm_weights(qw, kw, int(rope_freqs.shape[-3]) * 2)
-        failed = None
+        # q x l, k / l per channel from the norm weights (exact: l = 2^n), computed inside the RMSNorm + RoPE launch
+        # from the weights this call reads (no cache an in-place LoRA patch could leave stale); bf16 only
+        bal = bool(cfg.get("BALANCE", True))
+        if bal and qkv.dtype != torch.bfloat16:
+            bal = False
+            log_once(("fused_balance_dtype", str(qkv.dtype)), "H3 Turbo fused block: the q / k balance needs bf16 "
+                     "activations (k / l is stored in them), got %s -> the route runs without it (rotation and "
+                     "guard stay on)", qkv.dtype)
+        failed, stage = None, "producer"
         try:
-            prep = ops.qk_norm_rope_sage(qkv, heads, dh, rope_freqs, qw, kw, _eps(at.q_norm, x), rotate=cfg["ROTATE"])
+            prep = ops.qk_norm_rope_sage(qkv, heads, dh, rope_freqs, qw, kw, _eps(at.q_norm, x), rotate=cfg["ROTATE"],
+                                         balance=bal)
+            stage = "kernel"
             k4 = qkv[:, inner:2 * inner].view(s, heads, dh).transpose(0, 1).unsqueeze(0)
             v4 = qkv[:, 2 * inner:].view(s, heads, dh).transpose(0, 1).unsqueeze(0)
             fp8_out = plans["attn.out_proj"][0] != "module"
             res = _int8_kernels().sage_attention_prequantized(prep["q8"], prep["qs"], k4, v4, prep["ksum"],
                                                               prep["vamax"], config=cfg, out_fp8=fp8_out)
+            stage = "guard"
             passed = guard is None or _guard_passes(guard, layer, qkv, heads, dh, rope_freqs, qw, kw,
-                                                    _eps(at.q_norm, x), k4, v4, res, fp8_out)
+                                                    _eps(at.q_norm, x), k4, v4, res, fp8_out, bal)
         except Exception as e:  # noqa: BLE001 - e.g. a Triton build failure on this GPU
             failed = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
         if failed is not None:
@@ -624,14 +634,14 @@ def fused_forward(block, x, t_emb, mod_segments, rope_freqs, transformer_options
             # qkv projection once (a Turbo branch folded into qkv counts this call twice: a one-time failure) and
             # rerun the block (x is unchanged so far): after a failure of the opt-in Gluon kernel (e.g. a Triton whose
             # Gluon differs) with the route on the Triton kernel, else without the route
-            if cfg.get("GLUON"):
+            if cfg.get("GLUON") and stage == "kernel":
                 _GLUON_OFF[x.device.type] = failed
                 log_once(("sage_gluon_failed", failed), "H3 Turbo fused block: the Gluon attention kernel failed (%s) "
                          "-> this process runs the fused route with the Triton kernel", failed, level=logging.WARNING)
             else:
                 _SAGE_OFF[x.device.type] = failed
-                log_once(("fused_sage_failed", failed), "H3 Turbo fused block: the fused int8_sage route failed (%s) "
-                         "-> this process runs qk_norm_rope + the int8_sage override instead", failed,
+                log_once(("fused_sage_failed", failed), "H3 Turbo fused block: the fused int8_sage route failed in its "
+                         "%s (%s) -> this process runs qk_norm_rope + the int8_sage override instead", stage, failed,
                          level=logging.WARNING)
             qkv = prep = k4 = v4 = None
             routes.clear()

@@ -284,9 +284,10 @@ def _producer_inputs(case: str, S=128, H=2, d=128, seed=0, rope_pairs=False):
 @interp
 @pytest.mark.parametrize("case,rope_pairs", [("k_outlier", False), ("k_outlier", True), ("qk_outlier", False)])
 def test_interp_fused_route_producer_and_kernel(case, rope_pairs):
-    """The fused route (the norm weights balanced by :func:`balance.fold_into_norm_weights`, qk_norm_rope_sage
-    rotating q after RoPE, sage_attention_prequantized) within the bound on outlier channels made by the norm weights;
-    its output is the standalone kernel's (Q_ROW, no balance of its own) on qk_norm_rope's q / k with the balanced
+    """The fused route (qk_norm_rope_sage balancing the norm weights in its launch, rotating q after RoPE,
+    sage_attention_prequantized) within the bound on outlier channels made by the norm weights; the launch's balance
+    equals passing :func:`balance.fold_into_norm_weights`' float32 weights bit for bit (q8, qs, the stored k); the
+    route's output is the standalone kernel's (Q_ROW, no balance of its own) on qk_norm_rope's q / k with the balanced
     weights bit for bit (the balance is exact: q.k is unchanged, so the reference is the unbalanced attention); the
     route without the balance and the rotation fails k_outlier (run for that case only)."""
     from h3_turbo.kernels import fused as fk
@@ -316,15 +317,18 @@ def test_interp_fused_route_producer_and_kernel(case, rope_pairs):
     res = {}
     for bal, rot in ((True, True), (False, False)) if case == "k_outlier" else ((True, True),):
         x = qkv.clone()
-        wq, wk = (qwb, kwb) if bal else (qw, kw)
-        prep = fk.qk_norm_rope_sage(x, H, d, table, wq, wk, 1e-6, rotate=rot)
+        prep = fk.qk_norm_rope_sage(x, H, d, table, qw, kw, 1e-6, rotate=rot, balance=bal)
+        if bal:
+            x_f = qkv.clone()
+            prep_f = fk.qk_norm_rope_sage(x_f, H, d, table, qwb, kwb, 1e-6, rotate=rot)
+            assert torch.equal(x, x_f) and all(torch.equal(prep[n], prep_f[n]) for n in ("q8", "qs")), case
         kc, vc = x[:, inner:2 * inner].view(S, H, d), x[:, 2 * inner:].view(S, H, d)
         prep["ksum"] = kc.sum(dim=0, dtype=torch.float32, keepdim=True)    # one torch sum: the standalone kernel's
         prep["vamax"] = vc.abs().amax(dim=0, keepdim=True).float()         # statistics (kv_stats)
         cfg = {"BLOCK_M": 64, "BLOCK_N": 128, "ROTATE": rot}
         out = Q.sage_attention_prequantized(prep["q8"], prep["qs"], view(x[:, inner:2 * inner]),
                                             view(x[:, 2 * inner:]), prep["ksum"], prep["vamax"], config=cfg)
-        q4, k4, v4 = rope(wq, wk)
+        q4, k4, v4 = rope(*((qwb, kwb) if bal else (qw, kw)))
         want = Q.sage_attention(q4, k4, v4, config={**cfg, "QPRE": True, "Q_ROW": True, "BALANCE": False},
                                 out_layout="blhd")
         assert torch.equal(out, want), (bal, rot)
@@ -334,10 +338,41 @@ def test_interp_fused_route_producer_and_kernel(case, rope_pairs):
         assert res[False]["rel_l2"] > 0.15 and res[False]["cos_min"] < 0.99, res
 
 
+@interp
+def test_interp_launch_balance_matches_the_torch_exponents_on_odd_weights():
+    """qk_norm_rope_sage(balance=True)'s in-launch l equals norm_weight_exponents' on weights with zeros, bf16
+    subnormals (float32 exponent field 0: l = 1), negative values, ratios past the clamp and RoPE pairs; fp16 qkv
+    with balance is refused by name."""
+    from h3_turbo.kernels import fused as fk
+    from h3_turbo.kernels.attention import balance
+
+    S, H, d = 16, 2, 64
+    qkv, table, _, _ = _producer_inputs("rand", S, H, d)
+    g = torch.Generator().manual_seed(3)
+    qw = (torch.rand(d, generator=g) * 4 - 2).to(torch.bfloat16)
+    kw = (torch.rand(d, generator=g) * 4 - 2).to(torch.bfloat16)
+    qw[0], kw[0] = 0.0, 5.0                     # zero q weight (and its RoPE partner shares the pair's max)
+    qw[40], kw[40] = 1e-39, 1.0                 # bf16 subnormal: field 0 -> l = 1
+    qw[50], kw[50] = 1e-30, 1e30                # past the clamp: 2^MAX_EXP
+    qw[60], kw[60] = -0.05, -24.0               # signs do not matter: l = 16
+    qb, kb, lam = balance.fold_into_norm_weights(qw, kw, 2 * table.shape[-3])
+    assert lam[50] == 2.0 ** balance.MAX_EXP and lam[60] == 16 and lam[40] == 1, lam
+    assert (lam != 1).sum() >= 4, lam
+    x, x_f = qkv.clone(), qkv.clone()
+    prep = fk.qk_norm_rope_sage(x, H, d, table, qw, kw, 1e-6, balance=True)
+    prep_f = fk.qk_norm_rope_sage(x_f, H, d, table, qb, kb, 1e-6)
+    assert torch.equal(x, x_f) and torch.equal(prep["q8"], prep_f["q8"]) and torch.equal(prep["qs"], prep_f["qs"])
+    ref = fk.qk_norm_rope_sage_ref(qkv, H, d, table, qw, kw, 1e-6, balance=True)
+    assert torch.equal(ref["new"][:, H * d:2 * H * d].to(x.dtype), x[:, H * d:2 * H * d])
+    with pytest.raises(ValueError, match="balance=True needs bf16"):
+        fk.qk_norm_rope_sage(qkv.to(torch.float16), H, d, table, qw, kw, 1e-6, balance=True)
+
+
 def test_norm_weight_balance_is_exact_powers_of_two_per_rope_pair():
-    """fold_into_norm_weights: l a power of two per channel, equal on the two channels of each split-half RoPE pair,
-    sqrt of the |w_k| / |w_q| ratio within a factor sqrt(2), 1 for equal weights; products exact in bf16; bad shapes
-    refused by name."""
+    """fold_into_norm_weights / norm_weight_exponents: l a power of two per channel, equal on the two channels of each
+    split-half RoPE pair, 2^trunc((E_k - E_q) / 2) from the exponent fields (within a factor 2 of sqrt(|w_k| / |w_q|)),
+    1 for equal weights and where a field is 0 or 255, clamped at 2^MAX_EXP; float32 products exact; bad input refused
+    by name."""
     from h3_turbo.kernels.attention import balance
 
     d, rot = 128, 96
@@ -347,17 +382,24 @@ def test_norm_weight_balance_is_exact_powers_of_two_per_rope_pair():
     qw[100] = 0.05          # pass-through channel
     kw[100] = 24.0
     qb, kb, lam = balance.fold_into_norm_weights(qw, kw, rot)
+    assert qb.dtype == kb.dtype == lam.dtype == torch.float32
     assert torch.equal(torch.log2(lam), torch.log2(lam).round())
     assert lam[5] == lam[53] == 4.0 and lam[100] == 16.0 and (lam[[0, 1, 52, 99, 127]] == 1).all(), lam
-    assert torch.equal(qb.float(), qw.float() * lam) and torch.equal(kb.float(), kw.float() / lam)
+    assert torch.equal(qb, qw.float() * lam) and torch.equal(kb, kw.float() / lam)
+    assert torch.equal(qb.double() * kb.double(), qw.double() * kw.double())
     _, _, one = balance.fold_into_norm_weights(qw, qw, rot)
     assert torch.equal(one, torch.ones(d))
-    for r in (0.25, 1.0, 3.0, 480.0, 1e9, 0.0, float("inf"), float("nan")):
-        l2 = balance.pow2_sqrt(torch.tensor([r]))[0].item()
-        if 0 < r < float("inf") and r < 2 ** (2 * balance.MAX_EXP):
-            assert 2 ** -0.5 <= l2 / math.sqrt(r) <= 2 ** 0.5, (r, l2)
-        elif not 0 < r < float("inf"):
-            assert l2 == 1.0, (r, l2)
+    g = torch.Generator().manual_seed(0)
+    for _ in range(20):         # within a factor 2 of sqrt(ratio) where no clamp applies
+        a, b = torch.exp(torch.randn(2, d, generator=g, dtype=torch.float64) * 4)
+        lam = balance.fold_into_norm_weights(a.float(), b.float(), 0)[2].double()
+        r = (b.float().double() / a.float().double()).sqrt()
+        inside = r.log2().abs() < balance.MAX_EXP - 1
+        assert ((lam / r)[inside] <= 2.0).all() and ((lam / r)[inside] >= 0.5).all()
+    specials = torch.tensor([0.0, 1e-40, float("inf"), float("nan"), 1e-30, 3.0])
+    n = balance.norm_weight_exponents(torch.ones(6), specials, 0)
+    assert n.tolist() == [0, 0, 0, 0, -balance.MAX_EXP, 0], n    # zero, fp32 subnormal, inf, NaN: l = 1; 3 / 1: 2^0
+    assert balance.norm_weight_exponents(specials, torch.ones(6), 0).tolist() == [0, 0, 0, 0, balance.MAX_EXP, 0]
     with pytest.raises(ValueError, match="rot_dim"):
         balance.fold_into_norm_weights(qw, kw, 7)
     for bad_rot in (4.0, None, True):
@@ -371,26 +413,14 @@ def test_norm_weight_balance_is_exact_powers_of_two_per_rope_pair():
         balance.fold_into_norm_weights(qw.to(torch.float8_e4m3fn), kw.to(torch.float8_e4m3fn), 0)
     with pytest.raises(ValueError, match="floating-point tensor"):
         balance.pow2_sqrt(16.0)
-    # fp16 (a narrower exponent range): a pair whose product would overflow, underflow or round keeps l = 1, the
-    # others are balanced, every product exact; float32's range: ratios beyond it clamp rather than read as inf
-    q16 = torch.ones(d, dtype=torch.float16)
-    k16 = torch.ones(d, dtype=torch.float16)
-    q16[100], k16[100] = 200.0, 60000.0          # l = 16: 200 * 16 fits, 60000 / 16 fits -> kept
-    q16[110], k16[110] = 0.05, 60000.0           # ratio 1.2e6 -> l = 512: 0.05 * 512 fits, 60000 / 512 rounds
-    q16[5], k16[5] = 1e-4, 24.0                  # a RoPE pair (5, 53): balanced together
-    q16[120], k16[120] = 1.2e-7, 1e-3            # l = 128 would make k / l subnormal in fp16 (rounded): l = 1
-    q16[[12, 60]], k16[[12, 60]] = 1.2e-7, 1e-3  # the same in RoPE pair (12, 60): the pair keeps l = 1
-    qb, kb, lam = balance.fold_into_norm_weights(q16, k16, rot)
-    assert torch.isfinite(qb).all() and torch.isfinite(kb).all()
-    assert torch.equal(qb.double(), q16.double() * lam.double()) and torch.equal(kb.double(), k16.double() / lam.double())
-    assert lam[5] == lam[53] == 4 and lam[100] == 16 and lam[110] == 1024, lam
-    assert lam[120] == 1 and lam[12] == lam[60] == 1, lam
-    _, _, lam32 = balance.fold_into_norm_weights(q16.float(), k16.float(), rot)        # float32: nothing to revert
-    assert lam32[120] == 128 and lam32[12] == lam32[60] == 128 and lam32[110] == 1024, lam32
+    for r in (0.25, 1.0, 3.0, 480.0, 1e9, 0.0, float("inf"), float("nan")):      # pow2_sqrt: from_k_amax's l
+        l2 = balance.pow2_sqrt(torch.tensor([r]))[0].item()
+        if 0 < r < float("inf") and r < 2 ** (2 * balance.MAX_EXP):
+            assert 2 ** -0.5 <= l2 / math.sqrt(r) <= 2 ** 0.5, (r, l2)
+        elif not 0 < r < float("inf"):
+            assert l2 == 1.0, (r, l2)
     big = balance.pow2_sqrt(torch.tensor([1e300, 3.4e38, 1e-300], dtype=torch.float64))
     assert big.tolist() == [2.0 ** balance.MAX_EXP, 2.0 ** balance.MAX_EXP, 2.0 ** -balance.MAX_EXP]
-    _, _, lam_far = balance.fold_into_norm_weights(torch.full((4,), 1e-30), torch.full((4,), 1e10).index_fill(0, torch.tensor([0]), 1e30), 0)
-    assert lam_far[0] == 2.0 ** balance.MAX_EXP and (lam_far[1:] == 1).all(), lam_far
 
 
 @interp
@@ -510,7 +540,7 @@ def test_interpreted_in_subprocess():
 
     try:                 # the fused-block test needs ComfyUI (skipped loudly by conftest where it is absent)
         harness.find_comfyui()
-        n = 13
+        n = 14
     except harness.ComfyUINotFound:
-        n = 12
-    run_interp_tests(__file__, n, timeout=900, allow_skips=n == 12)
+        n = 13
+    run_interp_tests(__file__, n, timeout=900, allow_skips=n == 13)

@@ -190,6 +190,26 @@ def test_fold_kernel_compiles_for_sm90(name, out, lora, fp8, inv, full, tmp_path
                   tk.FOLD_CFG["warps"] if bn > 32 else 4, tk.FOLD_CFG["stages"], full=full)
 
 
+ROPES = [("plain", False, False, False), ("sage", True, False, False), ("sage_rotate", True, True, False),
+         ("sage_rotate_balance", True, True, True), ("sage_balance", True, False, True)]
+
+
+@pytest.mark.parametrize("name,sage,rotate,balance", ROPES, ids=[r[0] for r in ROPES])
+def test_qk_rope_kernel_compiles_for_sm90(name, sage, rotate, balance, tmp_path, monkeypatch):
+    """The fused block's RMSNorm + RoPE launch (``fused._qk_rope_kernel``) through Triton's GPU-IR passes for sm_90 in
+    each form the fused route runs (H3's head_dim 128, RoPE on 96 channels, 56 heads): the interpreter does not check
+    the compiler's typing (a loop-carried name reused with another type compiles nowhere but runs there)."""
+    _aot_probe()
+    from h3_turbo.kernels import fused as fk
+
+    types = {"x_ptr": "*bf16", "w_ptr": "*bf16", "f_ptr": "*fp32", "q8_ptr": "*i8" if sage else "*bf16",
+             "qs_ptr": "*fp32" if sage else "*bf16", "eps": "fp32"}
+    consts = {"D": 128, "R2": 48, "BS": fk.ROPE_ROWS, "SAGE": sage, "HP": 64, "INTERP": False, "ROTATE": rotate,
+              "BALANCE": balance, "MAX_EXP": 12}
+    div16 = ["x_ptr", "w_ptr", "f_ptr", "q8_ptr", "qs_ptr", "stride_x"]
+    _compile_sm90(monkeypatch, tmp_path, fk._qk_rope_kernel, types, consts, div16, fk.ROPE_WARPS, 1, full=False)
+
+
 def _int8_ids():
     try:
         from h3_turbo.kernels import int8_triton as it

@@ -16,6 +16,7 @@ Run through tests/test_fused.py::test_fused_kernels_interpreted_on_cpu (fresh pr
 """
 from __future__ import annotations
 
+import logging
 import os
 
 import pytest
@@ -383,7 +384,7 @@ class _CpuTritonOps(fk.TritonOps):
 
 
 @pytest.mark.comfyui
-def test_fused_block_runs_int8_sage_fused_on_the_producer(comfy, monkeypatch):
+def test_fused_block_runs_int8_sage_fused_on_the_producer(comfy, monkeypatch, caplog):
     """With the int8_sage override the fused block quantizes Q / takes K-V statistics in qk_norm_rope_sage, runs the
     kernel itself and feeds its e4m3 output to out_proj: the block's update is as close to exact attention as the
     unfused int8_sage route's (core's attention call with the override, per-block Q scales, bf16 output)."""
@@ -436,6 +437,26 @@ def test_fused_block_runs_int8_sage_fused_on_the_producer(comfy, monkeypatch):
     finally:
         fb._SAGE_OFF.pop("cpu", None)
     assert torch.equal(failed, off) and p3.routes == {"fp8": 4} and p3.calls == 1
+    # a producer that raises (run 29 on an H100: a Triton typing error in the RMSNorm + RoPE launch) turns the route
+    # off, not the Gluon kernel (which had not run), and the log names the producer
+    monkeypatch.undo()
+    monkeypatch.setattr(fb, "_gluon_config", lambda c, device, tokens=0: dict(c, GLUON=True))
+
+    def producer_boom(*a, **k):
+        raise RuntimeError("simulated producer failure")
+
+    ops = _CpuTritonOps()
+    ops.qk_norm_rope_sage = producer_boom
+    with caplog.at_level(logging.WARNING, logger="h3_turbo"):
+        try:
+            failed2, p4 = run(ops, {"optimized_attention_override": ov})
+            assert fb._SAGE_OFF.get("cpu", "").startswith("RuntimeError: simulated producer failure")
+            assert "cpu" not in fb._GLUON_OFF
+        finally:
+            fb._SAGE_OFF.pop("cpu", None)
+            fb._GLUON_OFF.pop("cpu", None)
+    assert torch.equal(failed2, off) and "sage" not in p4.routes
+    assert any("failed in its producer" in r.getMessage() for r in caplog.records), caplog.text
     x = args["img"].double()
 
     def rel_update(y):

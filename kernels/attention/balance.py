@@ -12,10 +12,11 @@ the balanced q.k equals the unbalanced one bit for bit before quantization. Two 
 
 * :func:`from_k_amax`: from the current call's K (``int8_sage``'s standalone kernels; ``r_c = max_tokens |k'_c|``
   over the smoothed k, relative to the median channel).
-* :func:`fold_into_norm_weights`: from the q / k RMSNorm weights (the fused route, whose producer quantizes q
-  before any K statistic exists: ``r_c = |w_k,c| / |w_q,c|``, relative to the median; the two channels of a RoPE
-  pair get one ``l``, so the scaling commutes with the rotation and folds into the weights the RMSNorm launch reads:
-  a few [head_dim] ops per call, no pass over the activations).
+* :func:`norm_weight_exponents` / :func:`fold_into_norm_weights`: from the q / k RMSNorm weights (the fused route,
+  whose producer quantizes q before any K statistic exists): ``l_c`` about ``sqrt(|w_k,c| / |w_q,c|)`` from the
+  two weights' exponent fields; the two channels of a RoPE pair get one ``l``, so the scaling commutes with the
+  rotation. The RMSNorm + RoPE launch computes it from the weights it reads (``fused.qk_norm_rope_sage(balance=
+  True)``): no extra launch, no cache an in-place weight patch could leave stale.
 """
 from __future__ import annotations
 
@@ -61,13 +62,7 @@ def k_amax(k: torch.Tensor, km: torch.Tensor) -> torch.Tensor:
     return torch.maximum(kmax - km, km - kmin)
 
 
-def fold_into_norm_weights(q_weight: torch.Tensor, k_weight: torch.Tensor, rot_dim: int):
-    """(q_weight * l, k_weight / l, l) for the q / k RMSNorm weights [D] of a per-head RMSNorm followed by core's
-    split-half RoPE on the first ``rot_dim`` channels (channel c < rot_dim / 2 pairs with c + rot_dim / 2): ``l``
-    [D] float32 is :func:`pow2_sqrt` of ``|w_k| / |w_q|`` (each pair's larger |w| on either side) relative to its
-    median. The products are exact (powers of two), in the weights' dtype: in a dtype narrower than float32's
-    exponent range (fp16) a channel pair whose product would overflow, underflow or round keeps l = 1. ValueError on
-    non-float or mismatched weights or an odd / too large ``rot_dim``."""
+def _check_norm_weights(q_weight, k_weight, rot_dim) -> int:
     ok_dtypes = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
     if not (isinstance(q_weight, torch.Tensor) and isinstance(k_weight, torch.Tensor)) \
             or q_weight.dtype not in ok_dtypes or k_weight.dtype not in ok_dtypes:
@@ -80,20 +75,36 @@ def fold_into_norm_weights(q_weight: torch.Tensor, k_weight: torch.Tensor, rot_d
     d = q_weight.shape[0]
     if not isinstance(rot_dim, int) or isinstance(rot_dim, bool) or rot_dim < 0 or rot_dim % 2 or rot_dim > d:
         raise ValueError(f"attention balance: rot_dim {rot_dim!r}; expected an even int in [0, {d}]")
-    aq, ak = q_weight.double().abs(), k_weight.double().abs()
-    h = rot_dim // 2
-    if h:
-        for a in (aq, ak):
-            m = torch.maximum(a[:h], a[h:rot_dim])
-            a[:h], a[h:rot_dim] = m, m
-    ratio = torch.where(aq > 0, ak / torch.where(aq > 0, aq, torch.ones_like(aq)), torch.zeros_like(ak))
-    lam = pow2_sqrt(_relative(ratio))
-    qb, kb = q_weight * lam.to(q_weight.dtype), k_weight / lam.to(k_weight.dtype)
-    if torch.finfo(q_weight.dtype).max < 1e38 or torch.finfo(k_weight.dtype).max < 1e38:
-        bad = (qb.double() != q_weight.double() * lam.double()) | (kb.double() != k_weight.double() / lam.double())
+    return rot_dim // 2
+
+
+def norm_weight_exponents(q_weight: torch.Tensor, k_weight: torch.Tensor, rot_dim: int) -> torch.Tensor:
+    """int32 [D] n with ``l = 2 ** n`` for the q / k RMSNorm weights [D] of a per-head RMSNorm followed by core's
+    split-half RoPE on the first ``rot_dim`` channels (channel c < rot_dim / 2 pairs with c + rot_dim / 2):
+    ``n_c = clamp(trunc((E_k,c - E_q,c) / 2), -MAX_EXP, MAX_EXP)`` (so l is within a factor 2 of
+    ``sqrt(|w_k,c| / |w_q,c|)``, and 1 for ratios within [1/4, 4]) with E the float32 exponent field of the larger
+    |w| of c's RoPE pair (of |w_c| itself past rot_dim), and 0 where either field is 0 (zero, subnormal) or 255 (inf,
+    NaN). Integer arithmetic on the bits: what ``fused._qk_rope_kernel`` computes in its launch (``BALANCE``).
+    A scale common to every channel needs no balancing (per-row INT8 scales absorb it), so no reference channel is
+    taken. ValueError on non-float or mismatched weights or an odd / too large ``rot_dim``."""
+    h = _check_norm_weights(q_weight, k_weight, rot_dim)
+    fields = []
+    for w in (q_weight, k_weight):
+        a = w.float().abs().contiguous()
         if h:
-            pair = bad[:h] | bad[h:rot_dim]
-            bad = torch.cat([pair, pair, bad[rot_dim:]])
-        lam = torch.where(bad, torch.ones_like(lam), lam)
-        qb, kb = q_weight * lam.to(q_weight.dtype), k_weight / lam.to(k_weight.dtype)
-    return qb, kb, lam
+            m = torch.maximum(a[:h], a[h:2 * h])
+            a = torch.cat([m, m, a[2 * h:]])
+        fields.append((a.view(torch.int32) >> 23) & 255)
+    fq, fk = fields
+    ok = (fq > 0) & (fq < 255) & (fk > 0) & (fk < 255)
+    n = torch.div(fk - fq, 2, rounding_mode="trunc")
+    return torch.where(ok, n, torch.zeros_like(n)).clamp(-MAX_EXP, MAX_EXP).to(torch.int32)
+
+
+def fold_into_norm_weights(q_weight: torch.Tensor, k_weight: torch.Tensor, rot_dim: int):
+    """(q_weight * l, k_weight / l, l), all float32 [D], ``l = 2 ** n`` from :func:`norm_weight_exponents`: the
+    balanced weights ``fused.qk_norm_rope_sage(balance=True)`` reads in float32 (exact products: a bf16 / fp16 value
+    times 2^+-MAX_EXP is a normal float32). Arguments and errors as :func:`norm_weight_exponents`."""
+    n = norm_weight_exponents(q_weight, k_weight, rot_dim)
+    lam = torch.ldexp(torch.ones_like(n, dtype=torch.float32), n)
+    return q_weight.float() * lam, k_weight.float() / lam, lam

@@ -225,10 +225,12 @@ def test_without_triton_kernels_raise_no_capable_path_and_override_runs_exact(mo
     monkeypatch.setattr(Q, "triton", None)
     monkeypatch.setattr(Q, "_TRITON_ERROR", "ImportError: no triton here")
     _, (q, k, v) = h3_like(40, H=2, seed=3)
-    for fn in (lambda: Q.sage_attention(q, k, v), lambda: Q.quantize_q(q, 0.1)):
+    for fn in (lambda: Q.sage_attention(q, k, v), lambda: Q.quantize_q(q, 0.1, lam=None)):
         with pytest.raises(NoCapablePathError, match=r"^attention_int8: triton unavailable \(ImportError: no triton here\)$") as e:
             fn()
         assert isinstance(e.value, RuntimeError)
+    with pytest.raises(TypeError, match="lam"):      # lam is required: balanced k8 cannot meet unbalanced q by omission
+        Q.quantize_q(q, 0.1)
     state.LOGGED.clear()
     ov = S.Int8SageAttention(fallback=_fallback_exact(), devices=("cpu",))
     with caplog.at_level(logging.INFO, logger="h3_turbo"):

@@ -656,13 +656,13 @@ def _ones_e4m3(device, block_n: int) -> torch.Tensor:
     return t
 
 
-def quantize_q(q: torch.Tensor, qk_scale: float, config: dict | None = None, lam: torch.Tensor | None = None):
+def quantize_q(q: torch.Tensor, qk_scale: float, config: dict | None = None, *, lam: torch.Tensor | None):
     """Pre-kernel (QPRE): q [B, H, L, D] (bf16/fp16, any strides) -> (``q8`` int8 [B*H, L_pad, D] per block
     of BLOCK_M rows, rows past L zero; ``qs`` float32 [B*H, L_pad / BLOCK_M] = ``max|q| / 127 * qk_scale``;
     ``L_pad``). The same float32 math as the attention kernel's own quantization. With ``Q_ROW``: one scale
     per row, ``qs`` [B*H, L_pad] = ``max|q_row| / 127`` (qk_scale is applied by the attention kernel). ``lam``: the
-    ``lam`` of the :func:`quantize_kv` call whose k8 these codes meet (q is multiplied by it first); required when
-    that call balanced (``BALANCE``)."""
+    ``lam`` of the :func:`quantize_kv` call whose k8 these codes meet (q is multiplied by it first; None where that
+    call did not balance): a required keyword, so a caller cannot pair balanced k8 with unbalanced q by omission."""
     if triton is None:
         raise NoCapablePathError(f"attention_int8: triton unavailable ({_TRITON_ERROR})")
     c = _cfg(config)

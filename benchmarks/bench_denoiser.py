@@ -36,8 +36,9 @@ core_bf16,core_nvfp4,ours_exact,ours_fp8; ``ours_fp8t``: ours_fp8 loaded with ``
 looked up per timestep group instead of computed from resident weights), CONFIGS (comma list of configuration names to run, default all),
 FWD_REPS (default 1), TURBO4_AGAIN=1 (the 4-step run twice: ``turbo4_again_s``, the steady run with every
 timestep group cached, and ``turbo4_first_over_again``), FUSED=1 (ours_fp8 also with the fused DiT blocks: ``<name>_fused``; with ATTN=int8_sage they
-run its producer route), SETTINGS_B (a JSON dict of ``kernels.fused.SETTINGS``, and of ``runtime.prologue.SETTINGS`` as
-``"prologue.<key>"``: every ``_fused`` row runs
+run its producer route), SETTINGS_B (a JSON dict of ``kernels.fused.SETTINGS``, of ``runtime.prologue.SETTINGS`` as
+``"prologue.<key>"`` and of the int8_sage launch configuration's defaults as ``"attn.<KEY>"``, e.g.
+``{"attn.ROTATE": false, "attn.BALANCE": false}``: every ``_fused`` row runs
 again, the same MODEL, with these settings as ``<name>_fused_b``, its errors also against ``<name>_fused``; an A/B in
 one process; unknown keys are refused), PROFILE (comma list of
 configuration names), HOST_PHASES (comma list of configuration names: host and GPU time at the prologue's marks,
@@ -825,20 +826,23 @@ def run_family(family, path, lname, inputs, sd_gpu, dev):
             saved = None
             if SETTINGS_B and "_fused_b" in name:
                 from h3_turbo.kernels import fused as fk
+                from h3_turbo.kernels.attention import int8_kernels
                 from h3_turbo.runtime import prologue
 
-                saved = (dict(fk.SETTINGS), dict(prologue.SETTINGS))
-                known = sorted(saved[0]) + [f"prologue.{k}" for k in saved[1]]
+                saved = (dict(fk.SETTINGS), dict(prologue.SETTINGS), dict(int8_kernels.DEFAULT_CONFIG))
+                known = (sorted(saved[0]) + [f"prologue.{k}" for k in saved[1]]
+                         + [f"attn.{k}" for k in saved[2]])
                 unknown = sorted(set(SETTINGS_B) - set(known))
                 if unknown:
                     raise ValueError(f"SETTINGS_B: unknown keys {unknown}; known: {known}")
-                fk.SETTINGS.update({k: v for k, v in SETTINGS_B.items() if not k.startswith("prologue.")})
+                fk.SETTINGS.update({k: v for k, v in SETTINGS_B.items() if "." not in k})
                 prologue.SETTINGS.update({k[9:]: v for k, v in SETTINGS_B.items() if k.startswith("prologue.")})
+                int8_kernels.DEFAULT_CONFIG.update({k[5:]: v for k, v in SETTINGS_B.items() if k.startswith("attn.")})
             try:
                 run_config(name, m, sampler, sigmas, inp, fam_base, est_for(family, inp))
             finally:
                 if saved is not None:
-                    for d, old in zip((fk.SETTINGS, prologue.SETTINGS), saved):
+                    for d, old in zip((fk.SETTINGS, prologue.SETTINGS, int8_kernels.DEFAULT_CONFIG), saved):
                         d.clear()
                         d.update(old)
     del variants, base, shifted

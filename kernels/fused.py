@@ -224,6 +224,11 @@ if triton is not None:
         tl.store(x_ptr + row * stride_x + offs, _round(x + o * g, x_ptr.dtype.element_ty, INTERP), mask=m)
 
     @triton.jit
+    def _exp_field(w):
+        """The float32 exponent field (0-255) of w (any float dtype, converted to float32 first), int32."""
+        return (w.to(tl.float32).to(tl.int32, bitcast=True) >> 23) & 255
+
+    @triton.jit
     def _qk_rope_kernel(x_ptr, w_ptr, f_ptr, q8_ptr, qs_ptr, S, H, eps, stride_x, stride_fs, stride_fi, stride_fr,
                         stride_fc, D: tl.constexpr, R2: tl.constexpr, BS: tl.constexpr, SAGE: tl.constexpr,
                         HP: tl.constexpr, INTERP: tl.constexpr, ROTATE: tl.constexpr = False,
@@ -259,13 +264,11 @@ if triton is not None:
         w = tl.load(w_ptr + part * D + cols).to(tl.float32)
         wp = tl.load(w_ptr + part * D + pc).to(tl.float32)
         if BALANCE:
-            # e2_c = clamp(trunc((E(|w_k|) - E(|w_q|)) / 2), +-MAX_EXP), E the float32 exponent field of a RoPE pair's
-            # larger |w| (0 where either field is 0 or 255); l = 2^e2 is symmetric in the pair, so wp takes l_c too
-            aq = tl.maximum(tl.abs(tl.load(w_ptr + cols).to(tl.float32)), tl.abs(tl.load(w_ptr + pc).to(tl.float32)))
-            ak = tl.maximum(tl.abs(tl.load(w_ptr + D + cols).to(tl.float32)),
-                            tl.abs(tl.load(w_ptr + D + pc).to(tl.float32)))
-            fq = (aq.to(tl.int32, bitcast=True) >> 23) & 255
-            fk = (ak.to(tl.int32, bitcast=True) >> 23) & 255
+            # e2_c = clamp(trunc((E_k - E_q) / 2), +-MAX_EXP), E the larger float32 exponent field of the channel's RoPE
+            # pair (0 where either field is 0 or 255); l = 2^e2 is symmetric in the pair, so wp takes l_c too
+            # the larger field of the pair (NaN: 255, whatever its partner; an integer max has no NaN rule to differ)
+            fq = tl.maximum(_exp_field(tl.load(w_ptr + cols)), _exp_field(tl.load(w_ptr + pc)))
+            fk = tl.maximum(_exp_field(tl.load(w_ptr + D + cols)), _exp_field(tl.load(w_ptr + D + pc)))
             ok = (fq > 0) & (fq < 255) & (fk > 0) & (fk < 255)
             dd = fk - fq
             e2 = tl.where(ok, tl.where(dd >= 0, dd // 2, -((-dd) // 2)), 0)    # trunc(dd / 2), non-negative //
@@ -469,8 +472,11 @@ def _qk_rope_checks(where, qkv, heads, head_dim, freqs, q_weight, k_weight, eps)
     if freqs.device != qkv.device:
         raise ValueError(f"{where}: freqs on {freqs.device}, qkv on {qkv.device}")
     for name, w in (("q_weight", q_weight), ("k_weight", k_weight)):
-        if w.shape != (head_dim,) or w.device != qkv.device:
-            raise ValueError(f"{where}: {name} must be [{head_dim}] on {qkv.device}, got {tuple(w.shape)} on {w.device}")
+        if not isinstance(w, torch.Tensor) or w.shape != (head_dim,) or w.device != qkv.device \
+                or w.dtype not in (torch.bfloat16, torch.float16, torch.float32, torch.float64):
+            raise ValueError(f"{where}: {name} must be a bf16 / fp16 / fp32 / fp64 [{head_dim}] tensor on {qkv.device}, "
+                             f"got {getattr(w, 'dtype', type(w).__name__)} {tuple(getattr(w, 'shape', ()))} on "
+                             f"{getattr(w, 'device', None)}")
     if not isinstance(eps, (int, float)) or not math.isfinite(eps) or eps < 0:
         raise ValueError(f"{where}: eps {eps!r}, expected a finite number >= 0")
 
@@ -510,6 +516,10 @@ def qk_norm_rope_sage(qkv: torch.Tensor, heads: int, head_dim: int, freqs: torch
     _qk_rope_checks(where, qkv, heads, head_dim, freqs, q_weight, k_weight, eps)
     if balance and qkv.dtype != torch.bfloat16:
         raise ValueError(f"{where}: balance=True needs bf16 qkv (k / l is stored in qkv's dtype), got {qkv.dtype}")
+    from .attention.int8_kernels import SUPPORTED_HEAD_DIMS
+
+    if head_dim not in SUPPORTED_HEAD_DIMS:      # before the launch writes k: the K/V statistics take these only
+        raise ValueError(f"{where}: head_dim {head_dim} not in {SUPPORTED_HEAD_DIMS} (int8_sage's head sizes)")
     s, dev = qkv.shape[0], qkv.device
     q8 = torch.empty((s, heads, head_dim), device=dev, dtype=torch.int8)
     qs = torch.empty((s, heads), device=dev, dtype=torch.float32)

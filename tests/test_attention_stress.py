@@ -364,8 +364,30 @@ def test_interp_launch_balance_matches_the_torch_exponents_on_odd_weights():
     assert torch.equal(x, x_f) and torch.equal(prep["q8"], prep_f["q8"]) and torch.equal(prep["qs"], prep_f["qs"])
     ref = fk.qk_norm_rope_sage_ref(qkv, H, d, table, qw, kw, 1e-6, balance=True)
     assert torch.equal(ref["new"][:, H * d:2 * H * d].to(x.dtype), x[:, H * d:2 * H * d])
+    # float32 weights (the interpreter converts bf16 subnormals inexactly, so the subnormal case is passed in float32):
+    # a float32 subnormal (field 0: l = 1) and a NaN beside a normal partner in a RoPE pair (the NaN's field 255 wins
+    # the pair: l = 1 on both channels, as norm_weight_exponents)
+    q32, k32 = qw.float(), kw.float()
+    q32[45], k32[45] = 1e-40, 1.0
+    k32[3] = float("nan")                       # pairs with channel 3 + 24 = 27
+    k32[27], q32[27] = 16.0, 1.0
+    qb, kb, lam = balance.fold_into_norm_weights(q32, k32, 2 * table.shape[-3])
+    assert lam[45] == 1 and lam[3] == lam[27] == 1, lam
+    x, x_f = qkv.clone(), qkv.clone()
+    prep = fk.qk_norm_rope_sage(x, H, d, table, q32, k32, 1e-6, balance=True)
+    prep_f = fk.qk_norm_rope_sage(x_f, H, d, table, qb, kb, 1e-6)
+    assert torch.equal(x.isnan(), x_f.isnan()) and torch.equal(x.nan_to_num(), x_f.nan_to_num())
+    assert torch.equal(prep["q8"], prep_f["q8"]) and torch.equal(prep["qs"], prep_f["qs"])
     with pytest.raises(ValueError, match="balance=True needs bf16"):
         fk.qk_norm_rope_sage(qkv.to(torch.float16), H, d, table, qw, kw, 1e-6, balance=True)
+    for bad in (qw.to(torch.int32), qw.bool()):              # not float: refused by name before any launch
+        with pytest.raises(ValueError, match="q_weight must be a bf16"):
+            fk.qk_norm_rope_sage(qkv.clone(), H, d, table, bad, kw, 1e-6, balance=True)
+    small = qkv[:, :3 * H * 16].contiguous()                 # head_dim 16: refused before k is written
+    before = small.clone()
+    with pytest.raises(ValueError, match="head_dim 16"):
+        fk.qk_norm_rope_sage(small, H, 16, table[:, :, :, :4].contiguous(), qw[:16], kw[:16], 1e-6, balance=True)
+    assert torch.equal(small, before)
 
 
 def test_norm_weight_balance_is_exact_powers_of_two_per_rope_pair():
@@ -400,6 +422,12 @@ def test_norm_weight_balance_is_exact_powers_of_two_per_rope_pair():
     n = balance.norm_weight_exponents(torch.ones(6), specials, 0)
     assert n.tolist() == [0, 0, 0, 0, -balance.MAX_EXP, 0], n    # zero, fp32 subnormal, inf, NaN: l = 1; 3 / 1: 2^0
     assert balance.norm_weight_exponents(specials, torch.ones(6), 0).tolist() == [0, 0, 0, 0, balance.MAX_EXP, 0]
+    nan_pair = balance.norm_weight_exponents(torch.ones(4), torch.tensor([float("nan"), 1.0, 16.0, 1.0]), 4)
+    assert nan_pair.tolist() == [0, 0, 0, 0], nan_pair      # a NaN's field wins its RoPE pair: l = 1 on both
+    ratio = balance.fold_into_norm_weights(torch.tensor([1.0, 1.9, 1.0]), torch.tensor([2.0, 0.95, 0.26]), 0)[2]
+    assert ratio.tolist() == [1.0, 1.0, 0.5], ratio         # ratios 2 and 1/2: l = 1; 0.26: l = 1/2
+    with pytest.raises(ValueError, match="one device"):
+        balance.norm_weight_exponents(torch.ones(4), torch.ones(4, device="meta"), 2)
     with pytest.raises(ValueError, match="rot_dim"):
         balance.fold_into_norm_weights(qw, kw, 7)
     for bad_rot in (4.0, None, True):

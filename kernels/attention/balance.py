@@ -72,6 +72,9 @@ def _check_norm_weights(q_weight, k_weight, rot_dim) -> int:
     if q_weight.shape != k_weight.shape or q_weight.ndim != 1 or q_weight.shape[0] < 1:
         raise ValueError(f"attention balance: q / k norm weights must be two [D] tensors (D >= 1), got "
                          f"{tuple(q_weight.shape)}, {tuple(k_weight.shape)}")
+    if q_weight.device != k_weight.device:
+        raise ValueError(f"attention balance: q / k norm weights on {q_weight.device} and {k_weight.device}; expected "
+                         f"one device")
     d = q_weight.shape[0]
     if not isinstance(rot_dim, int) or isinstance(rot_dim, bool) or rot_dim < 0 or rot_dim % 2 or rot_dim > d:
         raise ValueError(f"attention balance: rot_dim {rot_dim!r}; expected an even int in [0, {d}]")
@@ -82,19 +85,18 @@ def norm_weight_exponents(q_weight: torch.Tensor, k_weight: torch.Tensor, rot_di
     """int32 [D] n with ``l = 2 ** n`` for the q / k RMSNorm weights [D] of a per-head RMSNorm followed by core's
     split-half RoPE on the first ``rot_dim`` channels (channel c < rot_dim / 2 pairs with c + rot_dim / 2):
     ``n_c = clamp(trunc((E_k,c - E_q,c) / 2), -MAX_EXP, MAX_EXP)`` (so l is within a factor 2 of
-    ``sqrt(|w_k,c| / |w_q,c|)``, and 1 for ratios within [1/4, 4]) with E the float32 exponent field of the larger
-    |w| of c's RoPE pair (of |w_c| itself past rot_dim), and 0 where either field is 0 (zero, subnormal) or 255 (inf,
-    NaN). Integer arithmetic on the bits: what ``fused._qk_rope_kernel`` computes in its launch (``BALANCE``).
+    ``sqrt(|w_k,c| / |w_q,c|)``, and 1 for ratios within [1/2, 2]) with E the larger float32 exponent field of c's
+    RoPE pair (of w_c itself past rot_dim), and 0 where either field is 0 (zero, float32 subnormal) or 255 (inf, NaN). Integer arithmetic on the bits: what ``fused._qk_rope_kernel`` computes in its launch (``BALANCE``).
     A scale common to every channel needs no balancing (per-row INT8 scales absorb it), so no reference channel is
     taken. ValueError on non-float or mismatched weights or an odd / too large ``rot_dim``."""
     h = _check_norm_weights(q_weight, k_weight, rot_dim)
     fields = []
     for w in (q_weight, k_weight):
-        a = w.float().abs().contiguous()
-        if h:
-            m = torch.maximum(a[:h], a[h:2 * h])
-            a = torch.cat([m, m, a[2 * h:]])
-        fields.append((a.view(torch.int32) >> 23) & 255)
+        f = (w.float().abs().contiguous().view(torch.int32) >> 23) & 255
+        if h:       # the pair's larger field (a NaN's 255 wins whatever its partner, as in the launch)
+            m = torch.maximum(f[:h], f[h:2 * h])
+            f = torch.cat([m, m, f[2 * h:]])
+        fields.append(f)
     fq, fk = fields
     ok = (fq > 0) & (fq < 255) & (fk > 0) & (fk < 255)
     n = torch.div(fk - fq, 2, rounding_mode="trunc")
@@ -103,8 +105,9 @@ def norm_weight_exponents(q_weight: torch.Tensor, k_weight: torch.Tensor, rot_di
 
 def fold_into_norm_weights(q_weight: torch.Tensor, k_weight: torch.Tensor, rot_dim: int):
     """(q_weight * l, k_weight / l, l), all float32 [D], ``l = 2 ** n`` from :func:`norm_weight_exponents`: the
-    balanced weights ``fused.qk_norm_rope_sage(balance=True)`` reads in float32 (exact products: a bf16 / fp16 value
-    times 2^+-MAX_EXP is a normal float32). Arguments and errors as :func:`norm_weight_exponents`."""
+    balanced weights ``fused.qk_norm_rope_sage(balance=True)`` reads in float32. The products are exact for bf16 /
+    fp16 weights (times 2^+-MAX_EXP they stay normal float32 values); fp32 / fp64 weights near float32's smallest
+    normal can round to a subnormal. Arguments and errors as :func:`norm_weight_exponents`."""
     n = norm_weight_exponents(q_weight, k_weight, rot_dim)
     lam = torch.ldexp(torch.ones_like(n, dtype=torch.float32), n)
     return q_weight.float() * lam, k_weight.float() / lam, lam

@@ -181,6 +181,7 @@ class Client:
         import requests
 
         self._http = requests.Session()
+        self._declared: dict[str, set[str]] = {}     # class_type -> declared input names (:meth:`_declared_inputs`)
 
     def _url(self, path: str, **query) -> str:
         return self.server + path + (("?" + urlencode(query)) if query else "")
@@ -229,7 +230,7 @@ class Client:
         small request per class, kept for this client's later prompts; a class the server does not know: empty)."""
         from urllib.parse import quote
 
-        known = self.__dict__.setdefault("_declared", {})
+        known = self._declared
         for cls in {n.get("class_type") for n in prompt.values() if isinstance(n, dict)} - set(known) - {None}:
             known.update(object_info_inputs(self._get_ok("/object_info/" + quote(str(cls), safe=""))))
             known.setdefault(cls, set())

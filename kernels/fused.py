@@ -52,6 +52,8 @@ from typing import Sequence
 import torch
 
 from . import nvfp4_ref as ref
+from .attention.balance import MAX_EXP             # the launch's clamp of the q / k balance (BALANCE)
+from .attention.int8_kernels import SUPPORTED_HEAD_DIMS
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 E4M3 = torch.float8_e4m3fn
@@ -484,8 +486,6 @@ def _qk_rope_checks(where, qkv, heads, head_dim, freqs, q_weight, k_weight, eps)
 def _qk_rope_launch(qkv, heads, head_dim, freqs, q_weight, k_weight, eps, sage, rotate: bool = False,
                     balance: bool = False) -> None:
     """The kernel's launch: programs for q and k; ``sage`` = (q8, qs) or None."""
-    from .attention.balance import MAX_EXP
-
     s = qkv.shape[0]
     q8, qs = sage if sage is not None else (qkv, qkv)
     _qk_rope_kernel[(triton.cdiv(s, ROPE_ROWS), 2)](
@@ -516,8 +516,6 @@ def qk_norm_rope_sage(qkv: torch.Tensor, heads: int, head_dim: int, freqs: torch
     _qk_rope_checks(where, qkv, heads, head_dim, freqs, q_weight, k_weight, eps)
     if balance and qkv.dtype != torch.bfloat16:
         raise ValueError(f"{where}: balance=True needs bf16 qkv (k / l is stored in qkv's dtype), got {qkv.dtype}")
-    from .attention.int8_kernels import SUPPORTED_HEAD_DIMS
-
     if head_dim not in SUPPORTED_HEAD_DIMS:      # before the launch writes k: the K/V statistics take these only
         raise ValueError(f"{where}: head_dim {head_dim} not in {SUPPORTED_HEAD_DIMS} (int8_sage's head sizes)")
     s, dev = qkv.shape[0], qkv.device

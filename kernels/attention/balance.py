@@ -86,7 +86,8 @@ def norm_weight_exponents(q_weight: torch.Tensor, k_weight: torch.Tensor, rot_di
     split-half RoPE on the first ``rot_dim`` channels (channel c < rot_dim / 2 pairs with c + rot_dim / 2):
     ``n_c = clamp(trunc((E_k,c - E_q,c) / 2), -MAX_EXP, MAX_EXP)`` (so l is within a factor 2 of
     ``sqrt(|w_k,c| / |w_q,c|)``, and 1 for ratios within [1/2, 2]) with E the larger float32 exponent field of c's
-    RoPE pair (of w_c itself past rot_dim), and 0 where either field is 0 (zero, float32 subnormal) or 255 (inf, NaN). Integer arithmetic on the bits: what ``fused._qk_rope_kernel`` computes in its launch (``BALANCE``).
+    RoPE pair (of w_c itself past rot_dim), and 0 where either field is 0 (zero, float32 subnormal) or 255 (inf,
+    NaN). Integer arithmetic on the bits: what ``fused._qk_rope_kernel`` computes in its launch (``BALANCE``).
     A scale common to every channel needs no balancing (per-row INT8 scales absorb it), so no reference channel is
     taken. ValueError on non-float or mismatched weights or an odd / too large ``rot_dim``."""
     h = _check_norm_weights(q_weight, k_weight, rot_dim)

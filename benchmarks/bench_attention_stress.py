@@ -189,10 +189,9 @@ def extra_timings(S, q, k, v):
         for rot in (True, False):
             e[f"qk_norm_rope_sage_ms_rot{int(rot)}"] = timer(
                 lambda rot=rot: fk.qk_norm_rope_sage(qkv.clone(), HEADS, D, table, w, w, 1e-6, rotate=rot))
-        # the fused route's balance: in the launch (the route's form) vs torch's fold per call (what it replaced)
+        # the fused route's form: rotation and the q / k balance in the launch (against _rot1: the balance's cost)
         e["qk_norm_rope_sage_ms_rot1_bal1"] = timer(
             lambda: fk.qk_norm_rope_sage(qkv.clone(), HEADS, D, table, w, w, 1e-6, rotate=True, balance=True))
-        e["fold_torch_ms"] = timer(lambda: balance.fold_into_norm_weights(w, w, 2 * r2))
         e["qkv_clone_ms"] = timer(lambda: qkv.clone())
     except Exception as ex:  # noqa: BLE001
         e["qk_norm_rope_sage_error"] = f"{type(ex).__name__}: {ex}"

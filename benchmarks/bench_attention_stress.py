@@ -119,6 +119,8 @@ def backends(S, result):
     out["int8_sage"] = lambda q, k, v: K.sage_attention(q, k, v, config=base)
     rot_only = dict(base, BALANCE=False)
     out["int8_sage_rotate_only"] = lambda q, k, v: K.sage_attention(q, k, v, config=rot_only)
+    mma = dict(base, ROT_MMA=True)
+    out["int8_sage_rot_mma"] = lambda q, k, v: K.sage_attention(q, k, v, config=mma)
     old = dict(base, ROTATE=False, BALANCE=False, Q_ROW=False)
     out["int8_sage_unrotated"] = lambda q, k, v: K.sage_attention(q, k, v, config=old)
     for name, rot, bal in (("int8_route", True, True), ("int8_route_rotate_only", True, False),
@@ -176,6 +178,12 @@ def extra_timings(S, q, k, v):
             lam = K.quantize_kv(k, v, c)["lam"]
             e[f"quantize_q_ms_rot{int(rot)}"] = timer(lambda c=c, lam=lam: K.quantize_q(q, 1.0, c, lam=lam))
     e["quantize_kv_ms_rot1_bal0"] = timer(lambda: K.quantize_kv(k, v, dict(K.tuned_config(DEV, S), BALANCE=False)))
+    # ROT_MMA: the rotation on the tensor cores (standalone K/V pre-kernel; the route's form from partial statistics)
+    e["quantize_kv_ms_rot1_mma1"] = timer(lambda: K.quantize_kv(k, v, dict(K.tuned_config(DEV, S), ROT_MMA=True)))
+    parts = K.kv_partial_stats(k[0].transpose(0, 1), v[0].transpose(0, 1))
+    for rot, mma in ((False, False), (True, False), (True, True)):
+        c = dict(route_config(S, rot), ROT_MMA=mma)
+        e[f"route_quantize_kv_ms_rot{int(rot)}_mma{int(mma)}"] = timer(lambda c=c: K.quantize_kv(k, v, c, parts=parts))
     try:
         from h3_turbo.kernels import fused as fk
 
@@ -192,6 +200,9 @@ def extra_timings(S, q, k, v):
         # the fused route's form: rotation and the q / k balance in the launch (against _rot1: the balance's cost)
         e["qk_norm_rope_sage_ms_rot1_bal1"] = timer(
             lambda: fk.qk_norm_rope_sage(qkv.clone(), HEADS, D, table, w, w, 1e-6, rotate=True, balance=True))
+        e["qk_norm_rope_sage_ms_rot1_bal1_mma1"] = timer(
+            lambda: fk.qk_norm_rope_sage(qkv.clone(), HEADS, D, table, w, w, 1e-6, rotate=True, balance=True,
+                                         rot_mma=True))
         e["qkv_clone_ms"] = timer(lambda: qkv.clone())
     except Exception as ex:  # noqa: BLE001
         e["qk_norm_rope_sage_error"] = f"{type(ex).__name__}: {ex}"
@@ -201,7 +212,7 @@ def extra_timings(S, q, k, v):
 def fns_names() -> list:
     """The backend names this run may write (:func:`backends`' keys, for APPEND)."""
     names = ["cudnn_bf16", "fa3_bf16", "fa3_fp8", "fa3_fp8_rot_smooth", "int8_sage", "int8_sage_rotate_only",
-             "int8_sage_unrotated", "int8_route", "int8_route_rotate_only", "int8_route_unrotated", "cudnn_fp8"]
+             "int8_sage_rot_mma", "int8_sage_unrotated", "int8_route", "int8_route_rotate_only", "int8_route_unrotated", "cudnn_fp8"]
     return [n for n in names if ONLY is None or n in ONLY]
 
 

@@ -40,7 +40,8 @@ run its producer route), SETTINGS_B (a JSON dict of ``kernels.fused.SETTINGS``, 
 ``"prologue.<key>"`` and of the int8_sage launch configuration's defaults as ``"attn.<KEY>"``, e.g.
 ``{"attn.ROTATE": false, "attn.BALANCE": false}``: every ``_fused`` row runs
 again, the same MODEL, with these settings as ``<name>_fused_b``, its errors also against ``<name>_fused``; an A/B in
-one process; unknown keys are refused), PROFILE (comma list of
+one process; unknown keys are refused), AB_ROUNDS (N) and AB_SETTINGS (a JSON list of such dicts, default
+[SETTINGS_B]): then N rounds of one forward with the defaults and one per setting, interleaved (:func:`ab_rounds`), PROFILE (comma list of
 configuration names), HOST_PHASES (comma list of configuration names: host and GPU time at the prologue's marks,
 unprofiled, and a cProfile of the prologue's host functions, :func:`host_phases`), GAP_OPS (N: each profile also lists, for its N largest GPU idle gaps, the top-level host ops that
 started inside the gap: what the GPU waited for), DEADLINE (s since start after which no
@@ -737,6 +738,84 @@ def est_for(family, inp):
     return 7 * per_tok * (inp.shapes["video_tokens"] / 18870) ** 1.2 if CUDA else 0.0
 
 
+class settings_b:
+    """Context manager: ``kernels.fused.SETTINGS``, ``runtime.prologue.SETTINGS`` (``prologue.<key>``) and the
+    int8_sage launch defaults (``attn.<KEY>``) updated from ``b`` inside, restored after; unknown keys raise
+    ValueError. An empty ``b`` changes nothing."""
+
+    def __init__(self, b: dict):
+        self.b = b
+        self.saved = None
+
+    def __enter__(self):
+        if not self.b:
+            return self
+        from h3_turbo.kernels import fused as fk
+        from h3_turbo.kernels.attention import int8_kernels
+        from h3_turbo.runtime import prologue
+
+        self.dicts = (fk.SETTINGS, prologue.SETTINGS, int8_kernels.DEFAULT_CONFIG)
+        self.saved = tuple(dict(d) for d in self.dicts)
+        known = (sorted(self.saved[0]) + [f"prologue.{k}" for k in self.saved[1]]
+                 + [f"attn.{k}" for k in self.saved[2]])
+        unknown = sorted(set(self.b) - set(known))
+        if unknown:
+            raise ValueError(f"SETTINGS_B: unknown keys {unknown}; known: {known}")
+        fk.SETTINGS.update({k: v for k, v in self.b.items() if "." not in k})
+        prologue.SETTINGS.update({k[9:]: v for k, v in self.b.items() if k.startswith("prologue.")})
+        int8_kernels.DEFAULT_CONFIG.update({k[5:]: v for k, v in self.b.items() if k.startswith("attn.")})
+        return self
+
+    def __exit__(self, *exc):
+        if self.saved is not None:
+            for d, old in zip(self.dicts, self.saved):
+                d.clear()
+                d.update(old)
+        return False
+
+
+def ab_rounds(variants: dict, inp):
+    """AB_ROUNDS=N: for each ``<name>_fused`` row that ran, one untimed forward per setting of AB_SETTINGS (compiles;
+    its output's relative L2 error against the row's first forward), then N rounds of one forward with the defaults
+    ("a") and one per setting ("b0", "b1", ...), the order rotated each round, on the same MODEL; per setting the
+    seconds, the median and median / median("a") in ``RES["ab"][shape][name]``. The card's drift over the rounds (clock,
+    power cap) falls on every setting alike."""
+    rows = RES["shapes"].get(inp.key, {})
+    sets = [("a", {})] + [(f"b{i}", st) for i, st in enumerate(AB_SETTINGS)]
+    med = lambda xs: sorted(xs)[len(xs) // 2] if len(xs) % 2 else 0.5 * sum(sorted(xs)[len(xs) // 2 - 1:len(xs) // 2 + 1])  # noqa: E731
+    for a_name, m in variants.items():
+        if "_fused" not in a_name or "_fused_b" in a_name or not rows.get(a_name, {}).get("forward_s") \
+                or (a_name.endswith("_turbo4") and a_name[:-7] in variants):     # the plain row's A/B covers it
+            continue
+        if now() + (AB_ROUNDS + 1) * len(sets) * rows[a_name]["forward_s"] + 10 > DEADLINE:
+            mark(f"skip A/B rounds {a_name}: deadline")
+            continue
+        r = {"rounds": AB_ROUNDS, "settings": {lab: st for lab, st in sets}, "rel_err_vs_a": {}}
+        ref = FWD.get(inp.key, {}).get(a_name)
+        for lab, st in sets[1:]:
+            with settings_b(st):
+                _, o = forward(m, inp)
+            if ref is not None:
+                r["rel_err_vs_a"][lab] = [float((t.float().cpu() - w).norm() / w.norm().clamp_min(1e-30))
+                                          for t, w in zip(o, ref)]
+            del o
+        times = {lab: [] for lab, _ in sets}
+        for i in range(AB_ROUNDS):
+            for lab, st in sets[i % len(sets):] + sets[:i % len(sets)]:
+                with settings_b(st):
+                    dt, o = forward(m, inp)
+                del o
+                times[lab].append(dt)
+        ma = med(times["a"])
+        for lab, ts in times.items():
+            r[lab] = {"s": [round(x, 4) for x in ts], "median_s": round(med(ts), 4),
+                      "over_a": round(med(ts) / ma, 4),
+                      "over_a_per_round": [round(y / x, 4) for x, y in zip(times["a"], ts)]}
+        RES.setdefault("ab", {}).setdefault(inp.key, {})[a_name] = r
+        mark(f"A/B {a_name}: " + ", ".join(f"{lab} {r[lab]['median_s']} s ({r[lab]['over_a']})" for lab, _ in sets))
+        save()
+
+
 def run_family(family, path, lname, inputs, sd_gpu, dev):
     import comfy.sd
     import nodes as comfy_nodes
@@ -823,28 +902,10 @@ def run_family(family, path, lname, inputs, sd_gpu, dev):
                 variants += [(n.replace("_fused", "_fused_b", 1), vm) for n, vm in list(variants) if "_fused" in n]
     for inp in inputs:
         for name, m in variants:
-            saved = None
-            if SETTINGS_B and "_fused_b" in name:
-                from h3_turbo.kernels import fused as fk
-                from h3_turbo.kernels.attention import int8_kernels
-                from h3_turbo.runtime import prologue
-
-                saved = (dict(fk.SETTINGS), dict(prologue.SETTINGS), dict(int8_kernels.DEFAULT_CONFIG))
-                known = (sorted(saved[0]) + [f"prologue.{k}" for k in saved[1]]
-                         + [f"attn.{k}" for k in saved[2]])
-                unknown = sorted(set(SETTINGS_B) - set(known))
-                if unknown:
-                    raise ValueError(f"SETTINGS_B: unknown keys {unknown}; known: {known}")
-                fk.SETTINGS.update({k: v for k, v in SETTINGS_B.items() if "." not in k})
-                prologue.SETTINGS.update({k[9:]: v for k, v in SETTINGS_B.items() if k.startswith("prologue.")})
-                int8_kernels.DEFAULT_CONFIG.update({k[5:]: v for k, v in SETTINGS_B.items() if k.startswith("attn.")})
-            try:
+            with settings_b(SETTINGS_B if SETTINGS_B and "_fused_b" in name else {}):
                 run_config(name, m, sampler, sigmas, inp, fam_base, est_for(family, inp))
-            finally:
-                if saved is not None:
-                    for d, old in zip((fk.SETTINGS, prologue.SETTINGS, int8_kernels.DEFAULT_CONFIG), saved):
-                        d.clear()
-                        d.update(old)
+        if AB_ROUNDS and AB_SETTINGS:
+            ab_rounds(dict(variants), inp)
     del variants, base, shifted
     drop_all()
 
@@ -920,6 +981,8 @@ HOST_PHASES = [c for c in os.environ.get("HOST_PHASES", "").split(",") if c]   #
 GAP_OPS = int(os.environ.get("GAP_OPS", 0))   # profiles: the host ops inside the GPU's N largest idle gaps
 FUSED = os.environ.get("FUSED") == "1"     # ours_fp8 also with the fused DiT blocks (runtime/fused_block.py)
 SETTINGS_B = json.loads(os.environ.get("SETTINGS_B", "") or "{}")   # kernels.fused.SETTINGS for the _fused_b rows
+AB_ROUNDS = int(os.environ.get("AB_ROUNDS", 0))   # interleaved forwards, defaults vs AB_SETTINGS (ab_rounds)
+AB_SETTINGS = json.loads(os.environ.get("AB_SETTINGS", "") or "[]") or ([SETTINGS_B] if SETTINGS_B else [])
 TEXT = int(os.environ.get("TEXT", 16 if DRY else 300))
 SEED = 42
 
@@ -1032,7 +1095,7 @@ def main():
                   "vram_state": str(mm.vram_state), "aimdo_enabled": bool(getattr(cmm, "aimdo_enabled", False)),
                   "comfy_args": sys.argv[1:], "shapes": SHAPES, "families": FAMILIES, "configs": CONFIGS,
                   "attention": ATTN, "fwd_reps": FWD_REPS, "text_tokens": TEXT, "deadline_s": DEADLINE,
-                  "settings_b": SETTINGS_B}
+                  "settings_b": SETTINGS_B, "ab_settings": AB_SETTINGS, "ab_rounds": AB_ROUNDS}
     try:
         import comfy_kitchen.backends.cuda as ckc
         RES["env"]["ck_cuda_ext"] = bool(getattr(ckc, "_EXT_AVAILABLE", None))

@@ -403,12 +403,12 @@ def fused_sweep():
             fk.qk_norm_rope(got, heads, d, table, qw, kw, 1e-6)
             return ((got.double() - want.double()).norm() / want.double().norm()).item(), 1e-2
 
-        def rope_sage():    # the fused route's producer: rotated q codes, k balanced by l (an outlier channel)
+        def rope_sage(rot_mma=False):    # the fused route's producer: rotated q codes, k balanced by l (an outlier channel)
             qwo, kwo = qw.clone(), kw.clone()
             qwo[d - 3], kwo[d - 3] = qwo[d - 3] * 0.05, kwo[d - 3] * 24
             want = fk.qk_norm_rope_sage_ref(qkv, heads, d, table, qwo, kwo, 1e-6, balance=True)
             got = qkv.clone()
-            prep = fk.qk_norm_rope_sage(got, heads, d, table, qwo, kwo, 1e-6, balance=True)
+            prep = fk.qk_norm_rope_sage(got, heads, d, table, qwo, kwo, 1e-6, balance=True, rot_mma=rot_mma)
             inner = heads * d
             k64, kw64 = got[:, inner:2 * inner].double(), want["new"][:, inner:2 * inner].double()
             rel_k = ((k64 - kw64).norm() / kw64.norm()).item()
@@ -420,7 +420,9 @@ def fused_sweep():
         for kname, shape, fn in (("norm_mod:fp8", hidden, norm_fp8), ("norm_mod:bf16", hidden, norm_bf16),
                                  ("swiglu:fp8", 2 * ffn, swiglu_fp8), ("gate_residual_", hidden, gate_res),
                                  ("quant_rows", 2 * ffn, quant_rows), ("qk_norm_rope", f"{heads}x{d}:r{2 * r2}", rope),
-                                 ("qk_norm_rope_sage:balance", f"{heads}x{d}:r{2 * r2}", rope_sage)):
+                                 ("qk_norm_rope_sage:balance", f"{heads}x{d}:r{2 * r2}", rope_sage),
+                                 ("qk_norm_rope_sage:balance:rot_mma", f"{heads}x{d}:r{2 * r2}",
+                                  lambda: rope_sage(rot_mma=True))):
             row = {"path": f"fused:{kname}", "shape": str(shape), "M": m, "lora": False}
             if over_deadline():
                 add({**row, "ok": False, "skipped": f"DEADLINE {DEADLINE:.0f} s reached"})

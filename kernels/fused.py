@@ -53,7 +53,7 @@ import torch
 
 from . import nvfp4_ref as ref
 from .attention.balance import MAX_EXP             # the launch's clamp of the q / k balance (BALANCE)
-from .attention.int8_kernels import SUPPORTED_HEAD_DIMS
+from .attention.int8_kernels import SUPPORTED_HEAD_DIMS, hadamard_matrix
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 E4M3 = torch.float8_e4m3fn
@@ -65,6 +65,7 @@ _ACT_DTYPES = (torch.bfloat16, torch.float16)
 NORM_WARPS = 4               # norm_mod: one row per program, held in registers
 SWIGLU_WARPS = 8             # swiglu: one row per program, held in registers
 ROPE_ROWS = 8                # qk_norm_rope(_sage): rows per program (the program loops over the heads)
+ROPE_ROWS_MMA = 16           # the same with the q rotation on the tensor cores (a dot's M is at least 16)
 ROPE_WARPS = 4
 GATE_BLOCK = 2048            # gate_residual_: columns per program
 GATE_WARPS = 4
@@ -84,7 +85,7 @@ try:
     import triton.language as tl
 
     from .triton_interp import round_i8 as _round_i8, round_to as _round, to_e4m3 as _e4m3
-    from .attention.int8_kernels import _fwht          # int8_sage's Hadamard rotation (qk_norm_rope_sage's q)
+    from .attention.int8_kernels import _fwht, _hdot    # int8_sage's Hadamard rotation (qk_norm_rope_sage's q)
     _TRITON_ERROR = None
 except Exception as e:  # noqa: BLE001 - no Triton: the wrappers raise, the eager ops still work
     triton = None
@@ -231,10 +232,10 @@ if triton is not None:
         return (w.to(tl.float32).to(tl.int32, bitcast=True) >> 23) & 255
 
     @triton.jit
-    def _qk_rope_kernel(x_ptr, w_ptr, f_ptr, q8_ptr, qs_ptr, S, H, eps, stride_x, stride_fs, stride_fi, stride_fr,
-                        stride_fc, D: tl.constexpr, R2: tl.constexpr, BS: tl.constexpr, SAGE: tl.constexpr,
+    def _qk_rope_kernel(x_ptr, w_ptr, f_ptr, q8_ptr, qs_ptr, hm_ptr, S, H, eps, stride_x, stride_fs, stride_fi,
+                        stride_fr, stride_fc, D: tl.constexpr, R2: tl.constexpr, BS: tl.constexpr, SAGE: tl.constexpr,
                         HP: tl.constexpr, INTERP: tl.constexpr, ROTATE: tl.constexpr = False,
-                        BALANCE: tl.constexpr = False, MAX_EXP: tl.constexpr = 12):
+                        BALANCE: tl.constexpr = False, MAX_EXP: tl.constexpr = 12, ROT_MMA: tl.constexpr = False):
         """Rows [BS * pid0, +BS); pid1 = 0 / 1: every q / k head normed (weights w_ptr [2, D]: q's, k's) and rotated in
         place; v is not touched. Column c of a head is combined with its partner p(c) = c + R2 (c < R2), c - R2
         (R2 <= c < 2 R2), c (pass-through): out_c = A_c n_c + B_c n_p(c) with (A, B) = (f00, f01), (f11, f10), (1, 0);
@@ -245,7 +246,9 @@ if triton is not None:
         above. ROTATE (with SAGE): q times the unnormalised Hadamard matrix H_D before its quantization
         (int8_kernels._fwht; k is rotated by int8_sage's K pre-kernel). BALANCE: q's weights times l, k's divided by
         l, l = 2^n per channel from the weights' float32 exponent fields (``attention.balance.norm_weight_exponents``:
-        the same integer arithmetic), so q.k is unchanged (powers of two: exact in float32)."""
+        the same integer arithmetic), so q.k is unchanged (powers of two: exact in float32). ROT_MMA (with ROTATE,
+        BS >= 16): the rotation on the tensor cores, H_D [D, D] at hm_ptr in x's dtype (q is already rounded to it:
+        exact products, float32 sums)."""
         part = tl.program_id(1)
         rows = tl.program_id(0) * BS + tl.arange(0, BS)
         rm = rows < S
@@ -278,6 +281,8 @@ if triton is not None:
             lam = ((e2 + 127) << 23).to(tl.float32, bitcast=True)
             w = w * lam
             wp = wp * lam
+        if ROTATE and ROT_MMA:
+            hm = tl.load(hm_ptr + cols[:, None] * D + cols[None, :])      # loaded once for all heads
         hcols = tl.arange(0, HP)
         qsc = tl.zeros([BS, HP], dtype=tl.float32)
         base = row_base + (part * H) * D
@@ -295,9 +300,12 @@ if triton is not None:
             npart = _round(xp * inv[:, None] * wp[None, :], dt, INTERP).to(tl.float32)
             y = _round(ca * n + cb * npart, dt, INTERP)
             if SAGE and part == 0:
-                yf = y.to(tl.float32)
-                if ROTATE:
-                    yf = _fwht(yf, BS, D)
+                if ROTATE and ROT_MMA:
+                    yf = _hdot(y, hm, False, INTERP)
+                elif ROTATE:
+                    yf = _fwht(y.to(tl.float32), BS, D)
+                else:
+                    yf = y.to(tl.float32)
                 a = tl.max(tl.abs(yf), axis=1)
                 inv_a = tl.where(a > 0, tl.math.div_rn(tl.zeros_like(a) + 127.0, tl.where(a > 0, a, 1.0)), 0.0)
                 q8 = _round_i8(yf * inv_a[:, None], 127.0)
@@ -484,20 +492,26 @@ def _qk_rope_checks(where, qkv, heads, head_dim, freqs, q_weight, k_weight, eps)
 
 
 def _qk_rope_launch(qkv, heads, head_dim, freqs, q_weight, k_weight, eps, sage, rotate: bool = False,
-                    balance: bool = False) -> None:
-    """The kernel's launch: programs for q and k; ``sage`` = (q8, qs) or None."""
+                    balance: bool = False, rot_mma: bool = False) -> None:
+    """The kernel's launch: programs for q and k; ``sage`` = (q8, qs) or None; ``rot_mma``: the q rotation on the
+    tensor cores (:data:`ROPE_ROWS_MMA` rows per program)."""
     s = qkv.shape[0]
     q8, qs = sage if sage is not None else (qkv, qkv)
-    _qk_rope_kernel[(triton.cdiv(s, ROPE_ROWS), 2)](
-        qkv, torch.cat((q_weight.reshape(-1), k_weight.reshape(-1))), freqs, q8, qs, s, heads, float(eps),
+    rotate = bool(rotate) and sage is not None
+    mma = rotate and bool(rot_mma)
+    hm = hadamard_matrix(head_dim, qkv.device, qkv.dtype) if mma else qs
+    bs = ROPE_ROWS_MMA if mma else ROPE_ROWS
+    _qk_rope_kernel[(triton.cdiv(s, bs), 2)](
+        qkv, torch.cat((q_weight.reshape(-1), k_weight.reshape(-1))), freqs, q8, qs, hm, s, heads, float(eps),
         qkv.stride(0), freqs.stride(1), freqs.stride(3), freqs.stride(4), freqs.stride(5), D=head_dim,
-        R2=int(freqs.shape[3]), BS=ROPE_ROWS, SAGE=sage is not None, HP=triton.next_power_of_2(heads),
-        INTERP=INTERPRET, ROTATE=bool(rotate) and sage is not None, BALANCE=bool(balance), MAX_EXP=MAX_EXP,
+        R2=int(freqs.shape[3]), BS=bs, SAGE=sage is not None, HP=triton.next_power_of_2(heads),
+        INTERP=INTERPRET, ROTATE=rotate, BALANCE=bool(balance), MAX_EXP=MAX_EXP, ROT_MMA=mma,
         num_warps=4 if INTERPRET else ROPE_WARPS)
 
 
 def qk_norm_rope_sage(qkv: torch.Tensor, heads: int, head_dim: int, freqs: torch.Tensor, q_weight: torch.Tensor,
-                      k_weight: torch.Tensor, eps: float, rotate: bool = True, balance: bool = False) -> dict:
+                      k_weight: torch.Tensor, eps: float, rotate: bool = True, balance: bool = False,
+                      rot_mma: bool = False) -> dict:
     """:func:`qk_norm_rope` producing the ``int8_sage`` attention's inputs (kernel (f)): q is quantized to INT8 per
     (row, head) straight from its rounded rotated values in the same launch (SageAttention's per-token Q
     quantization, ``q8 = round_half_away(q * 127 / max|q_row|)``), k is rotated in place, v is not copied; then one
@@ -510,8 +524,9 @@ def qk_norm_rope_sage(qkv: torch.Tensor, heads: int, head_dim: int, freqs: torch
     (int8_sage's ``ROTATE``, which must match: :func:`.attention.int8_kernels.fwht`). ``balance``: the norm weights
     balanced in the launch, q's times l and k's divided by l (:func:`.attention.balance.fold_into_norm_weights`: the
     same outputs as passing its float32 weights), so k is stored divided by l; bf16 qkv only (fp16's exponent range
-    leaves no room: ValueError). Eager reference :func:`qk_norm_rope_sage_ref`. ValueError naming the argument on bad
-    input."""
+    leaves no room: ValueError). ``rot_mma``: the q rotation on the tensor cores (int8_sage's ``ROT_MMA``; the same
+    values up to float32 rounding, not the butterfly's bits). Eager reference :func:`qk_norm_rope_sage_ref`. ValueError
+    naming the argument on bad input."""
     where = "fused.qk_norm_rope_sage"
     _qk_rope_checks(where, qkv, heads, head_dim, freqs, q_weight, k_weight, eps)
     if balance and qkv.dtype != torch.bfloat16:
@@ -526,7 +541,8 @@ def qk_norm_rope_sage(qkv: torch.Tensor, heads: int, head_dim: int, freqs: torch
         return {"q8": q8, "qs": qs, "ksum": z, "vamax": z.clone()}
     from .attention.int8_kernels import kv_partial_stats
 
-    _qk_rope_launch(qkv, heads, head_dim, freqs, q_weight, k_weight, eps, (q8, qs), rotate=rotate, balance=balance)
+    _qk_rope_launch(qkv, heads, head_dim, freqs, q_weight, k_weight, eps, (q8, qs), rotate=rotate, balance=balance,
+                    rot_mma=rot_mma)
     inner = heads * head_dim
     ksum, vamax = kv_partial_stats(qkv[:, inner:2 * inner].view(s, heads, head_dim),
                                    qkv[:, 2 * inner:].view(s, heads, head_dim), parts=SAGE_STATS_PARTS)

@@ -190,24 +190,44 @@ def test_fold_kernel_compiles_for_sm90(name, out, lora, fp8, inv, full, tmp_path
                   tk.FOLD_CFG["warps"] if bn > 32 else 4, tk.FOLD_CFG["stages"], full=full)
 
 
-ROPES = [("plain", False, False, False), ("sage", True, False, False), ("sage_rotate", True, True, False),
-         ("sage_rotate_balance", True, True, True), ("sage_balance", True, False, True)]
+ROPES = [("plain", False, False, False, False), ("sage", True, False, False, False),
+         ("sage_rotate", True, True, False, False), ("sage_rotate_balance", True, True, True, False),
+         ("sage_balance", True, False, True, False), ("sage_rotate_balance_mma", True, True, True, True)]
 
 
-@pytest.mark.parametrize("name,sage,rotate,balance", ROPES, ids=[r[0] for r in ROPES])
-def test_qk_rope_kernel_compiles_for_sm90(name, sage, rotate, balance, tmp_path, monkeypatch):
+@pytest.mark.parametrize("name,sage,rotate,balance,mma", ROPES, ids=[r[0] for r in ROPES])
+def test_qk_rope_kernel_compiles_for_sm90(name, sage, rotate, balance, mma, tmp_path, monkeypatch):
     """The fused block's RMSNorm + RoPE launch (``fused._qk_rope_kernel``) through Triton's GPU-IR passes for sm_90 in
     each form the fused route runs (H3's head_dim 128, RoPE on 96 channels, 56 heads): the interpreter does not check
-    the compiler's typing (a loop-carried name reused with another type compiles nowhere but runs there)."""
+    the compiler's typing (a loop-carried name reused with another type compiles nowhere but runs there). ``mma``:
+    the q rotation on the tensor cores (``ROT_MMA``, 16 rows per program), compiled to a cubin."""
     _aot_probe()
     from h3_turbo.kernels import fused as fk
 
     types = {"x_ptr": "*bf16", "w_ptr": "*bf16", "f_ptr": "*fp32", "q8_ptr": "*i8" if sage else "*bf16",
-             "qs_ptr": "*fp32" if sage else "*bf16", "eps": "fp32"}
-    consts = {"D": 128, "R2": 48, "BS": fk.ROPE_ROWS, "SAGE": sage, "HP": 64, "INTERP": False, "ROTATE": rotate,
-              "BALANCE": balance, "MAX_EXP": 12}
-    div16 = ["x_ptr", "w_ptr", "f_ptr", "q8_ptr", "qs_ptr", "stride_x"]
-    _compile_sm90(monkeypatch, tmp_path, fk._qk_rope_kernel, types, consts, div16, fk.ROPE_WARPS, 1, full=False)
+             "qs_ptr": "*fp32" if sage else "*bf16", "hm_ptr": "*bf16", "eps": "fp32"}
+    consts = {"D": 128, "R2": 48, "BS": fk.ROPE_ROWS_MMA if mma else fk.ROPE_ROWS, "SAGE": sage, "HP": 64,
+              "INTERP": False, "ROTATE": rotate, "BALANCE": balance, "MAX_EXP": 12, "ROT_MMA": mma}
+    div16 = ["x_ptr", "w_ptr", "f_ptr", "q8_ptr", "qs_ptr", "hm_ptr", "stride_x"]
+    k = _compile_sm90(monkeypatch, tmp_path, fk._qk_rope_kernel, types, consts, div16, fk.ROPE_WARPS, 1, full=mma)
+    if mma:     # the rotation is a tensor-core product, not the butterfly's shuffles
+        assert "mma.sync" in k.asm["ptx"], "no mma in the ROT_MMA form"
+
+
+@pytest.mark.parametrize("mma", [False, True], ids=["butterfly", "rot_mma"])
+def test_quant_kv_kernel_compiles_for_sm90(mma, tmp_path, monkeypatch):
+    """int8_sage's K/V pre-kernel (``int8_kernels._quant_kv_kernel``) in the fused route's form (rotated K, V in the
+    Gluon kernel's key order, 8 warps) to a cubin for sm_90; ``rot_mma``: the rotation as a wgmma product."""
+    _aot_probe()
+    from h3_turbo.kernels.attention import int8_kernels as K
+
+    types = {"K": "*bf16", "V": "*bf16", "KM": "*fp32", "VM": "*fp32", "VINV": "*fp32", "K8": "*i8", "KS": "*fp32",
+             "VQ": "*fp8e4nv", "KINV": "*fp32", "HM": "*bf16"}
+    consts = {"HEAD_DIM": 128, "BLOCK_N": 128, "PV_FP8": True, "V_MEAN": False, "INTERP": False, "V_PERM32": True,
+              "ROTATE": True, "BALANCE": False, "ROT_MMA": mma}
+    div16 = ["K", "V", "KM", "VM", "VINV", "K8", "KS", "VQ", "KINV", "HM"]
+    k = _compile_sm90(monkeypatch, tmp_path, K._quant_kv_kernel, types, consts, div16, 8, 1, full=True)
+    assert ("wgmma" in k.asm["ptx"]) == mma
 
 
 def _int8_ids():

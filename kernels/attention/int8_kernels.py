@@ -58,7 +58,10 @@ score scale is then a per-row vector. ``ROWSUM_MMA``: the softmax row sum is tak
 accumulator per key block, added to a float32 running sum), i.e. ``l`` sums the same rounded P that
 multiplies V (needs ``PV_FP8``). ``MAXNREG``: register cap per thread (Triton's ``maxnreg``). ``ROTATE``: the
 Hadamard rotation of q and k above (off: the unrotated SageAttention-2 quantization, kept as the negative control
-of the outlier tests).
+of the outlier tests). ``ROT_MMA`` (with ``ROTATE``): k's rotation in :func:`quantize_kv` and q's in the fused route's
+RMSNorm + RoPE launch as a tensor-core product with H_D in bf16 (:func:`hadamard_matrix`; k' as bf16 plus its bf16
+remainder, ~16 significant bits; q is already bf16, so its products are exact) instead of the butterfly: the same
+values up to float32 rounding, not the same bits (the INT8 codes differ by one step at rounding boundaries).
 :func:`tuned_config` picks the configuration when none is given: :data:`HOPPER_CONFIGS` on compute
 capability 9.x, else :data:`DEFAULT_CONFIG` (which needs no TMA, e.g. Ada). Why each option is on or off,
 with the measurements: ``docs/attention.md``.
@@ -98,7 +101,7 @@ LOG2_FP8_MAX = math.log2(FP8_MAX)
 DEFAULT_CONFIG = {"BLOCK_M": 64, "BLOCK_N": 128, "num_warps": 4, "num_stages": 3, "MAGIC": True,
                   "PV_FP8": True, "V_MEAN": False, "IMPRECISE": None,
                   "TMA": False, "QPRE": False, "ROWSUM_MMA": False, "MAXNREG": None, "Q_ROW": False,
-                  "GLUON": False, "ROTATE": True, "BALANCE": True}
+                  "GLUON": False, "ROTATE": True, "BALANCE": True, "ROT_MMA": False}
 # Hopper (compute capability 9.x): (largest key length or None, changes from DEFAULT_CONFIG); the first row
 # that fits is used. K/V through TMA, Q quantized by its pre-kernel, row sums on the tensor cores, at most
 # 168 registers per thread (how this row was chosen: docs/attention.md); one Q scale per row (Q_ROW, as the fused
@@ -137,6 +140,29 @@ if triton is not None:
                 amb = tl.expand_dims(tl.sum(x4 * sgn, axis=2), 2)    # a + (-b)
                 x = tl.reshape(tl.where(first, apb, amb), [ROWS, D])
         return x
+
+    @triton.jit
+    def _mm(a, b, acc, INTERP: tl.constexpr):
+        """acc + a @ b in float32 for bf16 / fp16 a, b (the interpreter's bf16 dot is wrong in Triton 3.8: there the
+        exact float32 product of the same values)."""
+        if INTERP:
+            return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee", out_dtype=tl.float32)
+        return tl.dot(a, b, acc, out_dtype=tl.float32)
+
+    @triton.jit
+    def _hdot(x, hm, SPLIT: tl.constexpr, INTERP: tl.constexpr):
+        """x [ROWS >= 16, D] times H_D on the tensor cores (``ROT_MMA``): ``hm`` the [D, D] matrix (entries +-1, exact
+        in bf16 / fp16) in x's dtype, or bf16 for float32 x, which is rounded to it; SPLIT: plus the product of x's
+        bf16 remainder (~16 significant bits in all). float32 accumulation: the :func:`_fwht` values up to float32
+        rounding (not its bits)."""
+        acc = tl.zeros([x.shape[0], hm.shape[1]], dtype=tl.float32)
+        if SPLIT:
+            hi = x.to(tl.bfloat16)
+            acc = _mm(hi, hm, acc, INTERP)
+            acc = _mm((x - hi.to(tl.float32)).to(tl.bfloat16), hm, acc, INTERP)
+        else:
+            acc = _mm(x, hm, acc, INTERP)
+        return acc
 
     @triton.jit
     def _quant_i8_block(x):
@@ -211,12 +237,13 @@ if triton is not None:
         _store_stats(KM, VINV, VS, HMAX, bh, km, vs_p, vinv_p, vamax, HEAD_DIM)
 
     @triton.jit
-    def _quant_kv_kernel(K, V, KM, VM, VINV, K8, KS, VQ, KINV,
+    def _quant_kv_kernel(K, V, KM, VM, VINV, K8, KS, VQ, KINV, HM,
                          skb, skh, skn, skd, svb, svh, svn, svd,
                          H, N_K, N_KPAD,
                          HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, PV_FP8: tl.constexpr,
                          V_MEAN: tl.constexpr, INTERP: tl.constexpr,
-                         V_PERM32: tl.constexpr, ROTATE: tl.constexpr = False, BALANCE: tl.constexpr = False):
+                         V_PERM32: tl.constexpr, ROTATE: tl.constexpr = False, BALANCE: tl.constexpr = False,
+                         ROT_MMA: tl.constexpr = False):
         j = tl.program_id(0)
         bh = tl.program_id(1)
         b = bh // H
@@ -233,7 +260,10 @@ if triton is not None:
         if BALANCE:     # times 1 / l (powers of two: exact)
             ksm = ksm * tl.load(KINV + bh * HEAD_DIM + offs_d)[None, :]
         if ROTATE:      # (k - mean) H_D: padded rows stay zero
-            ksm = _fwht(ksm, BLOCK_N, HEAD_DIM)
+            if ROT_MMA:     # HM: H_D in bf16 [D, D]
+                ksm = _hdot(ksm, tl.load(HM + offs_d[:, None] * HEAD_DIM + offs_d[None, :]), True, INTERP)
+            else:
+                ksm = _fwht(ksm, BLOCK_N, HEAD_DIM)
         k8, amax = _quant_i8_block(ksm)
         base = bh.to(tl.int64) * N_KPAD * HEAD_DIM
         tl.store(K8 + base + offs_n[:, None] * HEAD_DIM + offs_d[None, :], k8)
@@ -623,9 +653,11 @@ def quantize_kv(k: torch.Tensor, v: torch.Tensor, config: dict | None = None, st
                                           num_warps=1 if INTERPRET else 4)
     _quant_kv_kernel[(npad // bn, B * H)](
         k, v, km, vm if vm is not None else km, vinv, k8, ks, vq, 1.0 / lam if lam is not None else km,
+        hadamard_matrix(D, k.device) if c["ROTATE"] and c["ROT_MMA"] else km,
         *k.stride(), *v.stride(), H, L, npad,
         HEAD_DIM=D, BLOCK_N=bn, PV_FP8=c["PV_FP8"], V_MEAN=c["V_MEAN"], INTERP=INTERPRET, V_PERM32=c["GLUON"],
-        ROTATE=c["ROTATE"], BALANCE=lam is not None, num_warps=num_warps or (8 if c["GLUON"] else 4))
+        ROTATE=c["ROTATE"], BALANCE=lam is not None, ROT_MMA=c["ROTATE"] and c["ROT_MMA"],
+        num_warps=num_warps or (8 if c["GLUON"] else 4))
     out = {"k8": k8, "ks": ks, "vq": vq, "km": km, "vm": vm, "vs": vs, "vinv": vinv, "n_kpad": npad,
            "v_perm32": c["GLUON"], "lam": lam}
     if hmax is not None:
@@ -875,6 +907,19 @@ def fwht(x: torch.Tensor) -> torch.Tensor:
 def hadamard(d: int, dtype=torch.float64) -> torch.Tensor:
     """The normalised Sylvester Hadamard matrix H_D / sqrt(D) [d, d] (orthogonal, symmetric)."""
     return fwht(torch.eye(d, dtype=torch.float32)).to(dtype) / math.sqrt(d)
+
+
+_HM: dict = {}
+
+
+def hadamard_matrix(d: int, device, dtype=torch.bfloat16) -> torch.Tensor:
+    """The unnormalised Sylvester Hadamard matrix H_D [d, d] (entries +-1, exact in bf16 / fp16) on ``device``, made
+    once per (d, device, dtype): the B operand of the kernels' tensor-core rotation (``ROT_MMA``)."""
+    key = (int(d), str(torch.device(device)), dtype)
+    got = _HM.get(key)
+    if got is None:
+        got = _HM[key] = fwht(torch.eye(d, dtype=torch.float32)).to(device=device, dtype=dtype).contiguous()
+    return got
 
 
 def qk_scale(sm: float, config: dict, head_dim: int) -> float:

@@ -738,6 +738,22 @@ def est_for(family, inp):
     return 7 * per_tok * (inp.shapes["video_tokens"] / 18870) ** 1.2 if CUDA else 0.0
 
 
+def check_settings(b, what: str) -> None:
+    """ValueError unless ``b`` is a dict of known keys (``kernels.fused.SETTINGS``, ``prologue.<key>``,
+    ``attn.<KEY>``); ``what`` names it in the message (SETTINGS_B, AB_SETTINGS[i])."""
+    from h3_turbo.kernels import fused as fk
+    from h3_turbo.kernels.attention import int8_kernels
+    from h3_turbo.runtime import prologue
+
+    if not isinstance(b, dict):
+        raise ValueError(f"{what}: expected a JSON object of settings, got {type(b).__name__} {b!r}")
+    known = (sorted(fk.SETTINGS) + [f"prologue.{k}" for k in prologue.SETTINGS]
+             + [f"attn.{k}" for k in int8_kernels.DEFAULT_CONFIG])
+    unknown = sorted(set(b) - set(known))
+    if unknown:
+        raise ValueError(f"{what}: unknown keys {unknown}; known: {known}")
+
+
 class settings_b:
     """Context manager: ``kernels.fused.SETTINGS``, ``runtime.prologue.SETTINGS`` (``prologue.<key>``) and the
     int8_sage launch defaults (``attn.<KEY>``) updated from ``b`` inside, restored after; unknown keys raise
@@ -756,11 +772,7 @@ class settings_b:
 
         self.dicts = (fk.SETTINGS, prologue.SETTINGS, int8_kernels.DEFAULT_CONFIG)
         self.saved = tuple(dict(d) for d in self.dicts)
-        known = (sorted(self.saved[0]) + [f"prologue.{k}" for k in self.saved[1]]
-                 + [f"attn.{k}" for k in self.saved[2]])
-        unknown = sorted(set(self.b) - set(known))
-        if unknown:
-            raise ValueError(f"SETTINGS_B: unknown keys {unknown}; known: {known}")
+        check_settings(self.b, "settings")
         fk.SETTINGS.update({k: v for k, v in self.b.items() if "." not in k})
         prologue.SETTINGS.update({k[9:]: v for k, v in self.b.items() if k.startswith("prologue.")})
         int8_kernels.DEFAULT_CONFIG.update({k[5:]: v for k, v in self.b.items() if k.startswith("attn.")})
@@ -792,8 +804,16 @@ def ab_rounds(variants: dict, inp):
             continue
         r = {"rounds": AB_ROUNDS, "settings": {lab: st for lab, st in sets}, "rel_err_vs_a": {}}
         ref = FWD.get(inp.key, {}).get(a_name)
+        ov = transformer_options(m).get("optimized_attention_override")
+        r["effective"] = {}
         for lab, st in sets[1:]:
             with settings_b(st):
+                if hasattr(ov, "config_for") and any(k.startswith("attn.") for k in st):
+                    # what the kernels get: an override built with its own config ignores the launch defaults
+                    eff = ov.config_for(torch.device("cuda" if CUDA else "cpu"), 1 << 20)[1]
+                    r["effective"][lab] = {k: eff.get(k[5:]) for k in st if k.startswith("attn.")}
+                    if any(eff.get(k[5:]) != v for k, v in st.items() if k.startswith("attn.")):
+                        mark(f"A/B {a_name} {lab}: the override's config does not take {st} (it has its own)")
                 _, o = forward(m, inp)
             if ref is not None:
                 r["rel_err_vs_a"][lab] = [float((t.float().cpu() - w).norm() / w.norm().clamp_min(1e-30))
@@ -1076,6 +1096,12 @@ def main():
     from _common import import_package
 
     import_package()
+    if SETTINGS_B:
+        check_settings(SETTINGS_B, "SETTINGS_B")
+    if not isinstance(AB_SETTINGS, list):
+        raise ValueError(f"AB_SETTINGS: expected a JSON list of settings objects, got {AB_SETTINGS!r}")
+    for i, st in enumerate(AB_SETTINGS):
+        check_settings(st, f"AB_SETTINGS[{i}]")
     from h3_turbo.harness import boot
 
     t0 = time.perf_counter()

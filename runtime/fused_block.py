@@ -617,7 +617,7 @@ def fused_forward(block, x, t_emb, mod_segments, rope_freqs, transformer_options
         failed, stage = None, "producer"
         try:
             prep = ops.qk_norm_rope_sage(qkv, heads, dh, rope_freqs, qw, kw, _eps(at.q_norm, x), rotate=cfg["ROTATE"],
-                                         balance=bal, rot_mma=cfg.get("ROT_MMA", False))
+                                         balance=bal, rot_mma=cfg["ROT_MMA"])
             stage = "kernel"
             k4 = qkv[:, inner:2 * inner].view(s, heads, dh).transpose(0, 1).unsqueeze(0)
             v4 = qkv[:, 2 * inner:].view(s, heads, dh).transpose(0, 1).unsqueeze(0)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import warnings
 
 import pytest
 import torch
@@ -344,7 +345,8 @@ def test_interp_rot_mma_is_the_butterfly_up_to_float32_rounding(case, producer_c
     """``ROT_MMA`` (the Hadamard rotation as a tensor-core product: k's float32 values as bf16 plus their bf16
     remainder, q already bf16 in the RoPE launch) against the butterfly: the K codes equal but for one step on <= 0.1 %,
     the block scales within 1e-5, the attention within the bound; the fused route's
-    launch gives the butterfly's q codes but for one step on <= 0.1 % and its stored k bit for bit. (The attention
+    launch gives the butterfly's q codes but for one step on <= 0.1 % and its stored k bit for bit; an infinite k gives
+    an infinite block scale in both forms. (The attention
     within 1e-2 of the butterfly's and with its error against float32 attention within 0.2 points.)"""
     from h3_turbo.kernels import fused as fk
 
@@ -370,6 +372,14 @@ def test_interp_rot_mma_is_the_butterfly_up_to_float32_rounding(case, producer_c
     assert int(dq.max()) <= 1 and float((dq > 0).float().mean()) <= 1e-3
     assert torch.allclose(pa["qs"], pb["qs"], rtol=1e-6, atol=0) and torch.equal(xa, xb)
     assert torch.equal(pa["ksum"], pb["ksum"]) and torch.equal(pa["vamax"], pb["vamax"])
+    # an infinite k stays visible: its block's scale is inf in both forms (the bf16 remainder of inf is taken as 0,
+    # not inf - inf = NaN, which the block maximum would drop to a finite, wrong scale)
+    k_inf = k.clone()
+    k_inf[0, 0, 5, 7] = float("inf")
+    with warnings.catch_warnings():     # the interpreter's numpy warns on the inf arithmetic this feeds it
+        warnings.simplefilter("ignore", RuntimeWarning)
+        assert bool(torch.isinf(Q.quantize_kv(k_inf, v, HOPPER)["ks"][0, 0]))
+        assert bool(torch.isinf(Q.quantize_kv(k_inf, v, mma)["ks"][0, 0]))
 
 
 @interp

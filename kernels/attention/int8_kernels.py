@@ -143,8 +143,8 @@ if triton is not None:
 
     @triton.jit
     def _mm(a, b, acc, INTERP: tl.constexpr):
-        """acc + a @ b in float32 for bf16 / fp16 a, b (the interpreter's bf16 dot is wrong in Triton 3.8: there the
-        exact float32 product of the same values)."""
+        """acc + a @ b in float32 for bf16 / fp16 a, b (under the interpreter, whose bf16 dot gives wrong values: the
+        float32 product of the same values)."""
         if INTERP:
             return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee", out_dtype=tl.float32)
         return tl.dot(a, b, acc, out_dtype=tl.float32)
@@ -154,12 +154,13 @@ if triton is not None:
         """x [ROWS >= 16, D] times H_D on the tensor cores (``ROT_MMA``): ``hm`` the [D, D] matrix (entries +-1, exact
         in bf16 / fp16) in x's dtype, or bf16 for float32 x, which is rounded to it; SPLIT: plus the product of x's
         bf16 remainder (~16 significant bits in all). float32 accumulation: the :func:`_fwht` values up to float32
-        rounding (not its bits)."""
+        rounding (not its bits). An infinite x gives infinities in its row, as the butterfly does (remainder 0)."""
         acc = tl.zeros([x.shape[0], hm.shape[1]], dtype=tl.float32)
         if SPLIT:
             hi = x.to(tl.bfloat16)
+            hf = hi.to(tl.float32)
             acc = _mm(hi, hm, acc, INTERP)
-            acc = _mm((x - hi.to(tl.float32)).to(tl.bfloat16), hm, acc, INTERP)
+            acc = _mm(tl.where(x == hf, 0.0, x - hf).to(tl.bfloat16), hm, acc, INTERP)
         else:
             acc = _mm(x, hm, acc, INTERP)
         return acc
@@ -914,11 +915,15 @@ _HM: dict = {}
 
 def hadamard_matrix(d: int, device, dtype=torch.bfloat16) -> torch.Tensor:
     """The unnormalised Sylvester Hadamard matrix H_D [d, d] (entries +-1, exact in bf16 / fp16) on ``device``, made
-    once per (d, device, dtype): the B operand of the kernels' tensor-core rotation (``ROT_MMA``)."""
-    key = (int(d), str(torch.device(device)), dtype)
+    once per (d, device, dtype) and shared (read-only): the B operand of the kernels' tensor-core rotation
+    (``ROT_MMA``)."""
+    dev = torch.device(device)
+    if dev.type == "cuda" and dev.index is None:
+        dev = torch.device("cuda", torch.cuda.current_device())
+    key = (int(d), str(dev), dtype)
     got = _HM.get(key)
     if got is None:
-        got = _HM[key] = fwht(torch.eye(d, dtype=torch.float32)).to(device=device, dtype=dtype).contiguous()
+        got = _HM[key] = fwht(torch.eye(d, dtype=torch.float32)).to(device=dev, dtype=dtype).contiguous()
     return got
 
 

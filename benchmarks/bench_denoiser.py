@@ -63,6 +63,7 @@ import json
 import math
 import os
 import re
+import statistics
 import sys
 import time
 import traceback
@@ -708,8 +709,7 @@ def run_config(name, m, sampler, sigmas, inp, fam_base, est):
             rr["turbo4_again_adaln_weight_reads"] = {k: v - w1.get(k, 0) for k, v in WEIGHT_READS.counts.items()}
             rr["turbo4_first_over_again"] = round(wall / wall2, 4)
             rr["turbo4_again_equal"] = all(torch.equal(a, b) for a, b in zip(lat, lat2))
-        allf = sorted(fts + steps)
-        rr["forward_s"] = round(allf[len(allf) // 2] if len(allf) % 2 else 0.5 * (allf[len(allf) // 2 - 1] + allf[len(allf) // 2]), 4)
+        rr["forward_s"] = round(statistics.median(fts + steps), 4)
         rr["first_call_overhead_s"] = round(rr["first_s"] - rr["forward_s"], 3)
         rr["sampler_overhead_s"] = round(wall - sum(steps), 3)
         rr["lora_routes"] = {k: v - r0.get(k, 0) for k, v in lora_routes().items() if v - r0.get(k, 0)}
@@ -794,7 +794,6 @@ def ab_rounds(variants: dict, inp):
     power cap) falls on every setting alike."""
     rows = RES["shapes"].get(inp.key, {})
     sets = [("a", {})] + [(f"b{i}", st) for i, st in enumerate(AB_SETTINGS)]
-    med = lambda xs: sorted(xs)[len(xs) // 2] if len(xs) % 2 else 0.5 * sum(sorted(xs)[len(xs) // 2 - 1:len(xs) // 2 + 1])  # noqa: E731
     for a_name, m in variants.items():
         if "_fused" not in a_name or "_fused_b" in a_name or not rows.get(a_name, {}).get("forward_s") \
                 or (a_name.endswith("_turbo4") and a_name[:-7] in variants):     # the plain row's A/B covers it
@@ -826,10 +825,10 @@ def ab_rounds(variants: dict, inp):
                     dt, o = forward(m, inp)
                 del o
                 times[lab].append(dt)
-        ma = med(times["a"])
+        ma = statistics.median(times["a"])
         for lab, ts in times.items():
-            r[lab] = {"s": [round(x, 4) for x in ts], "median_s": round(med(ts), 4),
-                      "over_a": round(med(ts) / ma, 4),
+            r[lab] = {"s": [round(x, 4) for x in ts], "median_s": round(statistics.median(ts), 4),
+                      "over_a": round(statistics.median(ts) / ma, 4),
                       "over_a_per_round": [round(y / x, 4) for x, y in zip(times["a"], ts)]}
         RES.setdefault("ab", {}).setdefault(inp.key, {})[a_name] = r
         mark(f"A/B {a_name}: " + ", ".join(f"{lab} {r[lab]['median_s']} s ({r[lab]['over_a']})" for lab, _ in sets))

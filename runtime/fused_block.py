@@ -608,7 +608,7 @@ def fused_forward(block, x, t_emb, mod_segments, rope_freqs, transformer_options
         override, cfg = sage
         # q x l, k / l per channel from the norm weights (exact: l = 2^n), computed inside the RMSNorm + RoPE launch
         # from the weights this call reads (no cache an in-place LoRA patch could leave stale); bf16 only
-        bal = bool(cfg.get("BALANCE", True))
+        bal = bool(cfg["BALANCE"])
         if bal and qkv.dtype != torch.bfloat16:
             bal = False
             log_once(("fused_balance_dtype", str(qkv.dtype)), "H3 Turbo fused block: the q / k balance needs bf16 "

@@ -25,7 +25,10 @@ One process, in this order (each step saves ``$OUT/$TAG.json``, so a killed run 
    core's ``SamplerCustomAdvanced`` (ours: ``H3TurboSampler`` fp32 state; core: ``KSamplerSelect`` euler) on
    the contract's 4-step sigmas, noise seed 42, ``H3TurboTestConditioning`` seed 0 with 300 text tokens;
    its 4 model calls are timed too (CUDA events around the diffusion model). ``forward_s`` is the median
-   of the timed forwards and the 4 sampling forwards. Peak and resident VRAM, relative L2 errors of the
+   of the timed forwards and the 4 sampling forwards. The direct forwards get the context a sampling step gets:
+   the text states refined once per model (core's ``preprocess_text_embeds``, what ``extra_conds`` runs once per
+   sampling run); RAW_CTX=1 gives the raw states instead (every direct forward then runs the 2 refiner blocks, as
+   in runs before 2026-12-08). Peak and resident VRAM, relative L2 errors of the
    forward output and the final latent against the references (see ``summarize``), ratios to core NVFP4.
 4. ``PROFILE``: a torch-profiler pass over one forward of the configurations named there; kernel time
    by category and the GPU idle time inside the forward.
@@ -374,10 +377,29 @@ def transformer_options(m):
     return to
 
 
-def forward(m, inp):
+REFINED: dict = {}   # id(ModelPatcher) -> the refined text context (cleared when a family is dropped)
+
+
+def context_for(m, inp):
+    """The context one sampling step gets: core's ``MiniMaxH3.extra_conds`` runs ``condition_proj`` + the token refiner
+    once per sampling run (``preprocess_text_embeds``) and every step's forward receives the refined states. RAW_CTX=1
+    (or a core without that method): the raw Qwen states, so every direct forward runs the refiner again."""
     dm = m.model.diffusion_model
     get = getattr(m.model, "get_dtype_inference", None) or m.model.get_dtype
     ctx = inp.ctx if get() == inp.ctx.dtype else inp.ctx.to(get())     # the model's compute dtype (bf16 on GPU)
+    pre = getattr(dm, "preprocess_text_embeds", None)
+    if RAW_CTX or pre is None:
+        RES["context"] = "raw text states (the refiner runs in every direct forward)"
+        return ctx
+    if id(m) not in REFINED:
+        REFINED[id(m)] = pre(ctx)
+        RES["context"] = "refined once per model, as core's extra_conds does per sampling run"
+    return REFINED[id(m)]
+
+
+def forward(m, inp):
+    dm = m.model.diffusion_model
+    ctx = context_for(m, inp)
     sync()
     t0 = time.perf_counter()
     o = dm([inp.xv, inp.xa], inp.t, ctx, transformer_options=transformer_options(m))
@@ -926,6 +948,7 @@ def run_family(family, path, lname, inputs, sd_gpu, dev):
         if AB_ROUNDS and AB_SETTINGS:
             ab_rounds(dict(variants), inp)
     del variants, base, shifted
+    REFINED.clear()
     drop_all()
 
 
@@ -996,6 +1019,7 @@ PROFILE = [c for c in os.environ.get("PROFILE", "").split(",") if c]
 ATTN = [a for a in os.environ.get("ATTN", "int8_sage,exact").split(",") if a]
 TURBO4_AGAIN = os.environ.get("TURBO4_AGAIN") == "1"
 FWD_REPS = int(os.environ.get("FWD_REPS", 1))
+RAW_CTX = os.environ.get("RAW_CTX") == "1"     # direct forwards on the raw text states (runs before 2026-12-08)
 HOST_PHASES = [c for c in os.environ.get("HOST_PHASES", "").split(",") if c]   # configurations: host_phases()
 GAP_OPS = int(os.environ.get("GAP_OPS", 0))   # profiles: the host ops inside the GPU's N largest idle gaps
 FUSED = os.environ.get("FUSED") == "1"     # ours_fp8 also with the fused DiT blocks (runtime/fused_block.py)

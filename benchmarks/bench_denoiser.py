@@ -27,8 +27,8 @@ One process, in this order (each step saves ``$OUT/$TAG.json``, so a killed run 
    its 4 model calls are timed too (CUDA events around the diffusion model). ``forward_s`` is the median
    of the timed forwards and the 4 sampling forwards. The direct forwards get the context a sampling step gets:
    the text states refined once per model (core's ``preprocess_text_embeds``, what ``extra_conds`` runs once per
-   sampling run); RAW_CTX=1 gives the raw states instead (every direct forward then runs the 2 refiner blocks, as
-   in runs before 2026-12-08). Peak and resident VRAM, relative L2 errors of the
+   sampling run); RAW_CTX=1 gives the raw states instead (every direct forward then runs the 2 refiner blocks, the
+   form of the earlier result files). Peak and resident VRAM, relative L2 errors of the
    forward output and the final latent against the references (see ``summarize``), ratios to core NVFP4.
 4. ``PROFILE``: a torch-profiler pass over one forward of the configurations named there; kernel time
    by category and the GPU idle time inside the forward.
@@ -278,13 +278,19 @@ def make_files(cfg, models, dev):
 def pick_disk(need=39e9):
     """The first of /tmp, /root, /var/tmp, the cwd on a disk file system (not tmpfs) with ``need`` bytes free
     (the file is ~36 GB + the 1.7 GB LoRA); else /dev/shm (RAM) if it has the room; else /tmp. CKPT_RAM=1: /dev/shm
-    first when it has ``need`` bytes free (an H100 machine's disk wrote the file in 73 s, ~0.5 GB/s)."""
-    if os.environ.get("CKPT_RAM") == "1" and os.path.isdir("/dev/shm"):
+    first when it has the room (writing to RAM instead of a slow disk)."""
+    disks = RES.setdefault("disks", {})
+
+    def shm_fits() -> bool:
+        if not os.path.isdir("/dev/shm"):
+            return False
         st = os.statvfs("/dev/shm")
-        RES.setdefault("disks", {})["/dev/shm"] = {"free_gb": gb(st.f_bavail * st.f_frsize)}
-        if st.f_bavail * st.f_frsize >= need:
-            RES["disks"]["chosen"] = "/dev/shm (CKPT_RAM=1)"
-            return "/dev/shm"
+        disks["/dev/shm"] = {"free_gb": gb(st.f_bavail * st.f_frsize)}
+        return st.f_bavail * st.f_frsize >= need
+
+    if os.environ.get("CKPT_RAM") == "1" and shm_fits():
+        disks["chosen"] = "/dev/shm (CKPT_RAM=1)"
+        return "/dev/shm"
     mounts = []
     try:
         for ln in open("/proc/mounts"):
@@ -292,7 +298,6 @@ def pick_disk(need=39e9):
             mounts.append((f[1], f[2]))
     except OSError:
         pass
-    disks = RES.setdefault("disks", {})
     for d in ("/tmp", "/root", "/var/tmp", os.getcwd()):
         if not os.path.isdir(d):
             continue
@@ -304,12 +309,9 @@ def pick_disk(need=39e9):
         if free >= need and fs[1] not in ("tmpfs", "ramfs"):
             disks["chosen"] = d
             return d
-    if os.path.isdir("/dev/shm"):
-        st = os.statvfs("/dev/shm")
-        disks["/dev/shm"] = {"free_gb": gb(st.f_bavail * st.f_frsize)}
-        if st.f_bavail * st.f_frsize >= need:
-            disks["chosen"] = "/dev/shm (RAM: no disk with enough room)"
-            return "/dev/shm"
+    if shm_fits():
+        disks["chosen"] = "/dev/shm (RAM: no disk with enough room)"
+        return "/dev/shm"
     disks["chosen"] = "/tmp (no disk with enough room found)"
     return "/tmp"
 
@@ -392,16 +394,16 @@ def context_for(m, inp):
     """The context one sampling step gets: core's ``MiniMaxH3.extra_conds`` runs ``condition_proj`` + the token refiner
     once per sampling run (``preprocess_text_embeds``) and every step's forward receives the refined states. RAW_CTX=1
     (or a core without that method): the raw Qwen states, so every direct forward runs the refiner again."""
-    dm = m.model.diffusion_model
+    if id(m) in REFINED:
+        return REFINED[id(m)]
     get = getattr(m.model, "get_dtype_inference", None) or m.model.get_dtype
     ctx = inp.ctx if get() == inp.ctx.dtype else inp.ctx.to(get())     # the model's compute dtype (bf16 on GPU)
-    pre = getattr(dm, "preprocess_text_embeds", None)
+    pre = getattr(m.model.diffusion_model, "preprocess_text_embeds", None)
     if RAW_CTX or pre is None:
         RES["context"] = "raw text states (the refiner runs in every direct forward)"
         return ctx
-    if id(m) not in REFINED:
-        REFINED[id(m)] = pre(ctx)
-        RES["context"] = "refined once per model, as core's extra_conds does per sampling run"
+    REFINED[id(m)] = pre(ctx)
+    RES["context"] = "refined once per model, as core's extra_conds does per sampling run"
     return REFINED[id(m)]
 
 
@@ -1027,7 +1029,7 @@ PROFILE = [c for c in os.environ.get("PROFILE", "").split(",") if c]
 ATTN = [a for a in os.environ.get("ATTN", "int8_sage,exact").split(",") if a]
 TURBO4_AGAIN = os.environ.get("TURBO4_AGAIN") == "1"
 FWD_REPS = int(os.environ.get("FWD_REPS", 1))
-RAW_CTX = os.environ.get("RAW_CTX") == "1"     # direct forwards on the raw text states (runs before 2026-12-08)
+RAW_CTX = os.environ.get("RAW_CTX") == "1"     # direct forwards on the raw text states (context_for)
 HOST_PHASES = [c for c in os.environ.get("HOST_PHASES", "").split(",") if c]   # configurations: host_phases()
 GAP_OPS = int(os.environ.get("GAP_OPS", 0))   # profiles: the host ops inside the GPU's N largest idle gaps
 FUSED = os.environ.get("FUSED") == "1"     # ours_fp8 also with the fused DiT blocks (runtime/fused_block.py)

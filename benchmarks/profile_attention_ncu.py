@@ -89,7 +89,8 @@ def main() -> None:
         import torch
 
         gpu = torch.cuda.get_device_name()
-        tag = os.environ.get("TAG", "attention_ncu_" + ("h200" if "H200" in gpu else "h100" if "H100" in gpu else "gpu"))
+        card = "h200" if "H200" in gpu else "h100" if "H100" in gpu else "gpu"
+        tag = os.environ.get("TAG", f"attention_ncu_{card}")
         ncu = os.environ.get("NCU") or shutil.which("ncu") or next(iter(sorted(glob.glob("/usr/local/cuda*/bin/ncu"))),
                                                                    None)
         if ncu is None:

@@ -73,12 +73,12 @@ EXP2_POLY = ("0f3F7FFB4A", "0f3F31798D", "0f3E786EE6", "0f3D61FB53")
 
 
 def exp2_asm(n_fma: int) -> str:
-    """PTX for 4 consecutive float32 register elements ($4..$7 -> $0..$3): the first ``4 - n_fma`` by ``ex2.approx.ftz.f32``
-    (the special-function unit, as ``gl.exp2``), the last ``n_fma`` on the FMA pipe: x clamped to >= -125,
-    r = round(x) by the 1.5 * 2^23 addition, f = x - r (exact), p = the cubic of :data:`EXP2_POLY` in f by Horner,
-    result bits = bits(p) + (r << 23) (the exponent moved by r; the addition's bits shifted left 23 leave r << 23).
-    FlashAttention-4's software exp2 (the same split between the two pipes). Every result is written at the end, so
-    an output register that shares an input's is never read after it is written."""
+    """PTX for 4 consecutive float32 register elements ($4..$7 -> $0..$3): the first ``4 - n_fma`` by
+    ``ex2.approx.ftz.f32`` (the special-function unit, as ``gl.exp2``), the last ``n_fma`` on the FMA pipe: x
+    clamped to >= -125, r = round(x) by the 1.5 * 2^23 addition, f = x - r (exact), p = the cubic of
+    :data:`EXP2_POLY` in f by Horner, result bits = bits(p) + (r << 23) (the exponent moved by r; the addition's bits
+    shifted left 23 leave r << 23). FlashAttention-4's software exp2 (the same split between the two pipes). Every
+    result is written at the end, so an output register that shares an input's is never read after it is written."""
     c0, c1, c2, c3 = EXP2_POLY
     lines = ["{", ".reg .b32 x<4>, t<4>, r<4>, f<4>, p<4>, e<4>, y<4>;"]
     for i in range(4):
@@ -372,10 +372,8 @@ if gluon is not None:
         if empty:
             _ws_idle(gl.cdiv(N_K, BLOCK_N), k_ready, v_ready, k_empty, v_empty, turn.index(WG), turn.index(1 - WG),
                      turn_ph, STAGES)
-        elif ov_tag.type.shape[0] == 2:     # WS_OVERLAP (no constexpr passes through warp_specialize)
-            _ws_rows_overlap(args, WG)
-        else:
-            _ws_rows(args, WG)
+        else:      # the tag's shape carries WS_OVERLAP (no constexpr passes through warp_specialize)
+            _ws_rows(args, WG, ov_tag.type.shape[0] == 2)
 
     @gluon.jit
     def _ws_idle(n, k_ready, v_ready, k_empty, v_empty, my_turn, other_turn, turn_ph, STAGES: gl.constexpr):
@@ -401,8 +399,11 @@ if gluon is not None:
             mbarrier.arrive(v_empty.index(sj), count=1)
 
     @gluon.jit
-    def _ws_rows(args, WG: gl.constexpr):
-        """:func:`_ws_consumer` for a warpgroup with query rows: S_0, every key block, the epilogue."""
+    def _ws_rows(args, WG: gl.constexpr, OVERLAP: gl.constexpr):
+        """:func:`_ws_consumer` for a warpgroup with query rows: S_0, every key block, the epilogue. ``OVERLAP``
+        (``WS_OVERLAP``): the blocks in the overlapped order of :func:`_ov_step` (S_0's softmax first, then each
+        block's P V with the next block's softmax under it); the same turns and slot releases, in the same order, as
+        the default order and :func:`_ws_idle`."""
         (q_desc, k_desc, v_desc, QS, KS, VS, OUT, HMAX, SX, H, N_Q, N_K, N_KPAD, qk_scale,
          q_smem, k_smem, v_smem, ones_smem, q_ready, k_ready, v_ready, k_empty, v_empty, turn, _skip,
          exn_tag, _ov) = args
@@ -448,19 +449,51 @@ if gluon is not None:
         acc = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, o_layout)
         l_i = gl.zeros([BLOCK_M], gl.float32, row_o)
 
-        # ---- key blocks 0 .. n-2 (full), then the last one (masked if ragged)
-        for j in range(0, n - 1):
-            s, acc, l_i, m_i = _ws_step(j, s, acc, l_i, m_i, qc, ks_ptr, qw, k_smem, v_smem, ones_smem, k_ready,
-                                        v_ready, k_empty, v_empty, my_turn, other_turn, turn_ph, N_K, s_zero, rs0,
-                                        BLOCK_N, STAGES, col_s, row_o, p_layout, False, False, EXN)
-        if n_full < n:
-            s, acc, l_i, m_i = _ws_step(n - 1, s, acc, l_i, m_i, qc, ks_ptr, qw, k_smem, v_smem, ones_smem, k_ready,
-                                        v_ready, k_empty, v_empty, my_turn, other_turn, turn_ph, N_K, s_zero, rs0,
-                                        BLOCK_N, STAGES, col_s, row_o, p_layout, True, True, EXN)
+        if OVERLAP:      # S_0's softmax now; then each block's P V with the next block's softmax under it
+            if n_full == 0:
+                p, alpha, m_i = _softmax_block(s, qc * gl.load(ks_ptr), m_i, 0, N_K, BLOCK_N, col_s, True, EXN)
+            else:
+                p, alpha, m_i = _softmax_block(s, qc * gl.load(ks_ptr), m_i, 0, N_K, BLOCK_N, col_s, False, EXN)
+            p8 = _as_a_operand(p, p_layout)
+            alpha_o = gl.convert_layout(alpha, row_o)
+            # ---- blocks 0 .. n-3 (the next one full), n-2 (the next one masked if ragged), n-1 (no next)
+            for j in range(0, n - 2):
+                p8, alpha_o, acc, l_i, m_i = _ov_step(
+                    j, p8, alpha_o, acc, l_i, m_i, qc, ks_ptr, qw, k_smem, v_smem, ones_smem, k_ready, v_ready,
+                    k_empty, v_empty, my_turn, other_turn, turn_ph, N_K, s_zero, rs0, BLOCK_N, STAGES, col_s, row_o,
+                    p_layout, True, False, EXN)
+            if n >= 2:
+                if n_full < n:
+                    p8, alpha_o, acc, l_i, m_i = _ov_step(
+                        n - 2, p8, alpha_o, acc, l_i, m_i, qc, ks_ptr, qw, k_smem, v_smem, ones_smem, k_ready,
+                        v_ready, k_empty, v_empty, my_turn, other_turn, turn_ph, N_K, s_zero, rs0, BLOCK_N, STAGES,
+                        col_s, row_o, p_layout, True, True, EXN)
+                else:
+                    p8, alpha_o, acc, l_i, m_i = _ov_step(
+                        n - 2, p8, alpha_o, acc, l_i, m_i, qc, ks_ptr, qw, k_smem, v_smem, ones_smem, k_ready,
+                        v_ready, k_empty, v_empty, my_turn, other_turn, turn_ph, N_K, s_zero, rs0, BLOCK_N, STAGES,
+                        col_s, row_o, p_layout, True, False, EXN)
+            p8, alpha_o, acc, l_i, m_i = _ov_step(
+                n - 1, p8, alpha_o, acc, l_i, m_i, qc, ks_ptr, qw, k_smem, v_smem, ones_smem, k_ready, v_ready,
+                k_empty, v_empty, my_turn, other_turn, turn_ph, N_K, s_zero, rs0, BLOCK_N, STAGES, col_s, row_o,
+                p_layout, False, False, EXN)
         else:
-            s, acc, l_i, m_i = _ws_step(n - 1, s, acc, l_i, m_i, qc, ks_ptr, qw, k_smem, v_smem, ones_smem, k_ready,
-                                        v_ready, k_empty, v_empty, my_turn, other_turn, turn_ph, N_K, s_zero, rs0,
-                                        BLOCK_N, STAGES, col_s, row_o, p_layout, False, True, EXN)
+            # ---- key blocks 0 .. n-2 (full), then the last one (masked if ragged)
+            for j in range(0, n - 1):
+                s, acc, l_i, m_i = _ws_step(
+                    j, s, acc, l_i, m_i, qc, ks_ptr, qw, k_smem, v_smem, ones_smem, k_ready, v_ready, k_empty,
+                    v_empty, my_turn, other_turn, turn_ph, N_K, s_zero, rs0, BLOCK_N, STAGES, col_s, row_o, p_layout,
+                    False, False, EXN)
+            if n_full < n:
+                s, acc, l_i, m_i = _ws_step(
+                    n - 1, s, acc, l_i, m_i, qc, ks_ptr, qw, k_smem, v_smem, ones_smem, k_ready, v_ready, k_empty,
+                    v_empty, my_turn, other_turn, turn_ph, N_K, s_zero, rs0, BLOCK_N, STAGES, col_s, row_o, p_layout,
+                    True, True, EXN)
+            else:
+                s, acc, l_i, m_i = _ws_step(
+                    n - 1, s, acc, l_i, m_i, qc, ks_ptr, qw, k_smem, v_smem, ones_smem, k_ready, v_ready, k_empty,
+                    v_empty, my_turn, other_turn, turn_ph, N_K, s_zero, rs0, BLOCK_N, STAGES, col_s, row_o, p_layout,
+                    False, True, EXN)
 
         # ---- epilogue (the 4-warp kernel's)
         _store_output(acc, l_i, pid_m * 128 + WG * BLOCK_M, bh, VS, OUT, HMAX, SX, H, N_Q, row_o, col_o, 0, 4)
@@ -502,86 +535,6 @@ if gluon is not None:
         l_i = l_i * alpha_o + gl.convert_layout(gl.max(rs, 1), row_o)
         return p8_next, alpha_next, acc, l_i, m_i
 
-    @gluon.jit
-    def _ws_rows_overlap(args, WG: gl.constexpr):
-        """:func:`_ws_rows` in the overlapped order (:func:`_ov_step`): S_0 and its softmax, then every key block's
-        P V with the next block's softmax under it, the epilogue. The same turns and slot releases, in the same
-        order, as :func:`_ws_rows` and :func:`_ws_idle`."""
-        (q_desc, k_desc, v_desc, QS, KS, VS, OUT, HMAX, SX, H, N_Q, N_K, N_KPAD, qk_scale,
-         q_smem, k_smem, v_smem, ones_smem, q_ready, k_ready, v_ready, k_empty, v_empty, turn, _skip,
-         exn_tag, _ov) = args
-        HEAD_DIM: gl.constexpr = k_desc.block_type.shape[1]
-        BLOCK_N: gl.constexpr = k_desc.block_type.shape[0]
-        STAGES: gl.constexpr = k_smem.type.shape[0]
-        EXN: gl.constexpr = exn_tag.type.shape[0]
-        BLOCK_M: gl.constexpr = 64
-        s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                           instr_shape=[16, BLOCK_N, 32])
-        o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                           instr_shape=[16, HEAD_DIM, 32])
-        r_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                           instr_shape=[16, 16, 32])
-        p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=4)
-        row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
-        col_s: gl.constexpr = gl.SliceLayout(0, s_layout)
-        row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
-        col_o: gl.constexpr = gl.SliceLayout(0, o_layout)
-        pid_m = gl.program_id(0)
-        bh = gl.program_id(1)
-        qw = q_smem.index(WG)
-        my_turn = turn.index(WG)
-        other_turn = turn.index(1 - WG)
-        turn_ph = 1 - WG
-        n = gl.cdiv(N_K, BLOCK_N)
-        n_full = N_K // BLOCK_N
-        offs_m = pid_m * 128 + WG * BLOCK_M + gl.arange(0, BLOCK_M, layout=row_s)
-        qc = gl.load(QS + bh + offs_m * H, mask=offs_m < N_Q, other=0.0) * qk_scale
-        ks_ptr = KS + bh * (N_KPAD // BLOCK_N)
-        s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.int32, s_layout)
-        rs0 = gl.zeros([BLOCK_M, 16], gl.float32, r_layout)
-
-        # ---- S_0 in this warpgroup's first turn, and its softmax (masked when it is the only, ragged block)
-        mbarrier.wait(my_turn, turn_ph)
-        mbarrier.wait(q_ready, 0)
-        mbarrier.wait(k_ready.index(0), 0)
-        s_tok = warpgroup_mma(qw, k_smem.index(0).permute((1, 0)), s_zero, use_acc=False, is_async=True)
-        mbarrier.arrive(other_turn, count=1)
-        s = warpgroup_mma_wait(0, deps=[s_tok])
-        mbarrier.arrive(k_empty.index(0), count=1)
-        m_i = gl.full([BLOCK_M], -float("inf"), gl.float32, row_s)
-        if n_full == 0:
-            p, alpha, m_i = _softmax_block(s, qc * gl.load(ks_ptr), m_i, 0, N_K, BLOCK_N, col_s, True, EXN)
-        else:
-            p, alpha, m_i = _softmax_block(s, qc * gl.load(ks_ptr), m_i, 0, N_K, BLOCK_N, col_s, False, EXN)
-        p8 = _as_a_operand(p, p_layout)
-        alpha_o = gl.convert_layout(alpha, row_o)
-        acc = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, o_layout)
-        l_i = gl.zeros([BLOCK_M], gl.float32, row_o)
-
-        # ---- blocks 0 .. n-3 (the next one full), n-2 (the next one masked if ragged), n-1 (no next)
-        for j in range(0, n - 2):
-            p8, alpha_o, acc, l_i, m_i = _ov_step(j, p8, alpha_o, acc, l_i, m_i, qc, ks_ptr, qw, k_smem, v_smem,
-                                                  ones_smem, k_ready, v_ready, k_empty, v_empty, my_turn, other_turn,
-                                                  turn_ph, N_K, s_zero, rs0, BLOCK_N, STAGES, col_s, row_o, p_layout,
-                                                  True, False, EXN)
-        if n >= 2:
-            if n_full < n:
-                p8, alpha_o, acc, l_i, m_i = _ov_step(n - 2, p8, alpha_o, acc, l_i, m_i, qc, ks_ptr, qw, k_smem,
-                                                      v_smem, ones_smem, k_ready, v_ready, k_empty, v_empty, my_turn,
-                                                      other_turn, turn_ph, N_K, s_zero, rs0, BLOCK_N, STAGES, col_s,
-                                                      row_o, p_layout, True, True, EXN)
-            else:
-                p8, alpha_o, acc, l_i, m_i = _ov_step(n - 2, p8, alpha_o, acc, l_i, m_i, qc, ks_ptr, qw, k_smem,
-                                                      v_smem, ones_smem, k_ready, v_ready, k_empty, v_empty, my_turn,
-                                                      other_turn, turn_ph, N_K, s_zero, rs0, BLOCK_N, STAGES, col_s,
-                                                      row_o, p_layout, True, False, EXN)
-        p8, alpha_o, acc, l_i, m_i = _ov_step(n - 1, p8, alpha_o, acc, l_i, m_i, qc, ks_ptr, qw, k_smem, v_smem,
-                                              ones_smem, k_ready, v_ready, k_empty, v_empty, my_turn, other_turn,
-                                              turn_ph, N_K, s_zero, rs0, BLOCK_N, STAGES, col_s, row_o, p_layout,
-                                              False, False, EXN)
-
-        # ---- epilogue (the 4-warp kernel's)
-        _store_output(acc, l_i, pid_m * 128 + WG * BLOCK_M, bh, VS, OUT, HMAX, SX, H, N_Q, row_o, col_o, 0, 4)
 
     @gluon.jit
     def _ws_consumer0(args):

@@ -16,10 +16,7 @@ Env: OUT (folder, default benchmarks/results), TAG (default attention_gluon_h200
 warp-specialized row also with ``int8_gluon.WS_SKIP_EMPTY`` off, ``gluon_ws<n>_noskip``: the A/B of the empty
 consumer's protocol-only path; it only differs at lengths whose last query tile has <= 64 rows), ABAB=N (then N
 interleaved rounds of the warp-specialized variants, 10 calls each per round in a rotating order: ``abab_ms_*``,
-medians over the rounds), EXP2 (comma list of config ``EXP2_FMA`` values, default none: each warp-specialized row
-also with that many of every 4 softmax exponentials on the FMA pipe, ``gluon_ws<n>_e<k>``), OVERLAP=1 (each
-warp-specialized row also in the overlapped order, config ``WS_OVERLAP``: ``gluon_ws<n>_ov`` and with each EXP2 value
-``gluon_ws<n>_ov_e<k>``), M64=0 (no row of the 4-warp form), DRY=1 (CPU: inputs and reference only, no kernels). Saves ``$OUT/$TAG.json`` after every
+medians over the rounds), DRY=1 (CPU: inputs and reference only, no kernels). Saves ``$OUT/$TAG.json`` after every
 step.
 
 Run (GPU, torch and Triton only): ``OUT=benchmarks/results WS_STAGES=2 python3 benchmarks/bench_attention_gluon.py``;
@@ -52,9 +49,6 @@ HEADS, HD = (4, 128) if DRY else (int(os.environ.get("HEADS", 56)), 128)
 WS_STAGES = [int(x) for x in os.environ.get("WS_STAGES", "2,3").split(",") if x]
 NOSKIP = os.environ.get("NOSKIP") == "1"
 ABAB = int(os.environ.get("ABAB", 0))
-EXP2 = [int(x) for x in os.environ.get("EXP2", "").split(",") if x]
-OVERLAP = os.environ.get("OVERLAP") == "1"
-M64 = os.environ.get("M64", "1") != "0"
 RES: dict = {"env": {}, "steps": {}, "errors": []}
 
 
@@ -75,25 +69,17 @@ def one_length(L: int) -> dict:
         out["dry"] = "inputs and reference built; kernels need a Hopper GPU"
         return out
     tuned = K.tuned_config(DEV, L)
-    cfgs = {"triton": tuned}
-    if M64:
-        cfgs["gluon_m64"] = dict(tuned, GLUON=True, BLOCK_M=64, num_warps=4, MAXNREG=None)
+    cfgs = {"triton": tuned,
+            "gluon_m64": dict(tuned, GLUON=True, BLOCK_M=64, num_warps=4, MAXNREG=None)}
     for st in WS_STAGES:
         cfgs[f"gluon_ws{st}"] = dict(tuned, GLUON=True, BLOCK_M=128, num_warps=4, MAXNREG=None, num_stages=st)
         if NOSKIP:     # the same kernel with int8_gluon.WS_SKIP_EMPTY off (an empty consumer computes masked rows)
             cfgs[f"gluon_ws{st}_noskip"] = cfgs[f"gluon_ws{st}"]
-        for e in EXP2:     # exponentials split between the special-function unit and the FMA pipe
-            cfgs[f"gluon_ws{st}_e{e}"] = dict(cfgs[f"gluon_ws{st}"], EXP2_FMA=e)
-        if OVERLAP:        # the next block's Q K^T and softmax under this block's P V (WS_OVERLAP)
-            cfgs[f"gluon_ws{st}_ov"] = dict(cfgs[f"gluon_ws{st}"], WS_OVERLAP=True)
-            for e in EXP2:
-                cfgs[f"gluon_ws{st}_ov_e{e}"] = dict(cfgs[f"gluon_ws{st}"], WS_OVERLAP=True, EXP2_FMA=e)
     out["configs"] = cfgs
 
     # the K/V pre-kernel alone: plain V vs V with its keys in the Gluon kernel's order (the same codes, moved)
     qa = K.quantize_kv(k, v, dict(cfgs["triton"], QPRE=True, Q_ROW=True), parts=(ksum, vamax))
-    gq = dict(tuned, GLUON=True, BLOCK_M=64, num_warps=4, MAXNREG=None, Q_ROW=True)   # the Gluon kernels' K/V
-    qb = K.quantize_kv(k, v, gq, parts=(ksum, vamax))
+    qb = K.quantize_kv(k, v, dict(cfgs["gluon_m64"], Q_ROW=True), parts=(ksum, vamax))
     from h3_turbo.kernels.attention.int8_gluon import v_key_columns
 
     moved = torch.empty_like(qa["vq"].view(torch.uint8))
@@ -101,7 +87,8 @@ def one_length(L: int) -> dict:
     out["quantize_kv_gluon_v_is_plain_v_moved"] = bool(torch.equal(qb["vq"].view(torch.uint8), moved))
     out["ms_quantize_kv_triton"] = bench(lambda: K.quantize_kv(k, v, dict(cfgs["triton"], QPRE=True, Q_ROW=True),
                                                                parts=(ksum, vamax)))
-    out["ms_quantize_kv_gluon"] = bench(lambda: K.quantize_kv(k, v, gq, parts=(ksum, vamax)))
+    out["ms_quantize_kv_gluon"] = bench(lambda: K.quantize_kv(k, v, dict(cfgs["gluon_m64"], Q_ROW=True),
+                                                              parts=(ksum, vamax)))
     RES["steps"][str(L)] = out
     save()
 

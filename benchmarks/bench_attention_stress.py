@@ -11,8 +11,7 @@ override's kernel with its default configuration: q / k balanced per channel and
 ``int8_route`` (the fused block's kernel: ``sage_attention_prequantized`` with e4m3 output as the fused route runs
 it, Gluon where it runs, on q / k balanced with the l that ``balance.from_k_amax`` gives for the case: what the route's
 norm-weight balance gives when the outlier channels come from the q / k norm weights), ``int8_route_rotate_only`` (the
-route when they do not: l = 1), ``int8_route_unrotated`` (neither), ``int8_route_exp2_fma1`` / ``int8_route_ws_overlap``
-(the route with the Gluon kernel's opt-in softmax schedules, config ``EXP2_FMA=1`` / ``WS_OVERLAP``), ``cudnn_fp8``
+route when they do not: l = 1), ``int8_route_unrotated`` (neither), ``cudnn_fp8``
 (where nvidia-cudnn-frontend imports). Each approximate row also has ``guard``: the per-layer guard's own measure of
 that output (``guard.measure``: 256 sampled rows x every head against SDPA) and whether a layer with these inputs keeps
 running 8-bit (``runs_8bit``) or runs exact. ``extra``: per length, the guard's check (256 sampled rows x every head:
@@ -134,15 +133,6 @@ def backends(S, result):
             return (o8.float() * sx).view(1, q.shape[2], q.shape[1], q.shape[3]).transpose(1, 2)
 
         out[name] = route
-    for name, change in (("int8_route_exp2_fma1", {"EXP2_FMA": 1}), ("int8_route_ws_overlap", {"WS_OVERLAP": True})):
-        c = dict(route_config(S, True), **change)
-
-        def route_s(q, k, v, c=c):
-            q8, qs, kb, ksum, vamax = _prep(q, k, v, True, True)
-            o8, sx = K.sage_attention_prequantized(q8, qs, kb, v, ksum, vamax, config=c, out_fp8=True)
-            return (o8.float() * sx).view(1, q.shape[2], q.shape[1], q.shape[3]).transpose(1, 2)
-
-        out[name] = route_s
     if DRY or cudnn_fp8.frontend() is not None:
         ov = cudnn_fp8.CudnnFP8Attention(emulate=DRY)
 
@@ -222,8 +212,7 @@ def extra_timings(S, q, k, v):
 def fns_names() -> list:
     """The backend names this run may write (:func:`backends`' keys, for APPEND)."""
     names = ["cudnn_bf16", "fa3_bf16", "fa3_fp8", "fa3_fp8_rot_smooth", "int8_sage", "int8_sage_rotate_only",
-             "int8_sage_rot_mma", "int8_sage_unrotated", "int8_route", "int8_route_rotate_only", "int8_route_unrotated",
-             "int8_route_exp2_fma1", "int8_route_ws_overlap", "cudnn_fp8"]
+             "int8_sage_rot_mma", "int8_sage_unrotated", "int8_route", "int8_route_rotate_only", "int8_route_unrotated", "cudnn_fp8"]
     return [n for n in names if ONLY is None or n in ONLY]
 
 

@@ -1,15 +1,18 @@
-"""Nsight Compute's view of the warp-specialized Gluon ``int8_sage`` kernel in each of its schedules: where the
-kernel waits (warp stall reasons), how busy each pipe is (tensor cores, FMA, special-function unit), issue slots,
-achieved clock. The GPU-only complement of the static SASS counts in docs/attention.md.
+"""Nsight Compute's view of the fused route's attention kernels: the warp-specialized Gluon ``int8_sage`` kernel
+(what the route runs on Hopper from 16 384 tokens on) and the Triton kernel in the tuned Hopper configuration, on the
+same inputs: where they wait (warp stall reasons), how busy each pipe is (tensor cores, FMA, special-function unit),
+issue slots, the clock they ran at. Both run at about 41 % of the card's 8-bit tensor rate (docs/attention.md), while
+neither the tensor cores nor the special-function unit alone would bound them there; this is the measurement that
+says what does.
 
-The script runs itself under ``ncu`` (found on PATH or under /usr/local/cuda*/bin): the child builds the fused
-route's prequantized inputs (``h3_qkv``, Q per row, K/V partial statistics) for L tokens x H heads x 128, launches
-each variant twice (the first compiles and warms up) and ncu profiles the second launch of each. Variants: the
-default schedule, ``EXP2_FMA=1`` and ``WS_OVERLAP`` (config keys of ``int8_kernels.DEFAULT_CONFIG``).
+The script runs itself under ``ncu`` (found on PATH or under /usr/local/cuda*/bin; ``--clock-control none``, so the
+clock is the one the card chooses): the child builds the route's prequantized inputs (``h3_qkv``, Q per row, K/V
+partial statistics) for L tokens x H heads x 128, launches each kernel twice (the first compiles and warms up) and
+ncu profiles the second launch of each.
 
-Writes ``$OUT/$TAG.json``: ``variants`` (names in launch order), ``metrics`` (per variant: section -> metric ->
-[value, unit], from ncu's ``--csv --page details``), ``ncu`` (the command, its return code, the end of its stderr)
-and ``$OUT/$TAG.csv`` (ncu's own output).
+Writes ``$OUT/$TAG.json``: ``variants`` (names in launch order), ``metrics`` (per variant: metric -> [value, unit],
+every metric the sections collect, from ncu's ``--csv --page raw``), ``ncu`` (the command, its return code, the end
+of its stderr) and ``$OUT/$TAG.csv`` (ncu's own output).
 
 Env: OUT (default benchmarks/results), TAG (default attention_ncu_<gpu>), L (default 19584), H (default 8: one
 launch takes a few ms, so ncu's replay passes stay short), NCU (the ncu binary), DRY=1 (CPU: only checks the
@@ -31,7 +34,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-VARIANTS = (("default", {}), ("exp2_fma1", {"EXP2_FMA": 1}), ("ws_overlap", {"WS_OVERLAP": True}))
+VARIANTS = (("gluon_ws2", {"GLUON": True, "BLOCK_M": 128, "num_warps": 4, "MAXNREG": None, "num_stages": 2}),
+            ("triton", {}))
 SECTIONS = ("SpeedOfLight", "ComputeWorkloadAnalysis", "WarpStateStats", "SchedulerStats", "InstructionStats",
             "Occupancy")
 L = int(os.environ.get("L", 19584))
@@ -51,7 +55,7 @@ def child() -> None:
     _, (q, k, v) = h3_qkv(L, H, 128, "cuda", seed=1)
     q8, qs = q_row_codes(q)
     ksum, vamax = K.kv_partial_stats(k[0].transpose(0, 1), v[0].transpose(0, 1))
-    base = dict(K.tuned_config("cuda", L), GLUON=True, BLOCK_M=128, num_warps=4, MAXNREG=None, num_stages=2)
+    base = K.tuned_config("cuda", L)
     for _ in range(2):
         for _, change in VARIANTS:
             K.sage_attention_prequantized(q8, qs, k, v, ksum, vamax, config=dict(base, **change), out_fp8=True)
@@ -59,15 +63,14 @@ def child() -> None:
 
 
 def parse(text: str) -> dict:
-    """ncu's details CSV -> {launch index: {section: {metric: [value, unit]}}}, launches numbered in order."""
-    out: dict = {}
-    ids: dict = {}
+    """ncu's raw CSV (a header row of metric names, a row of units, one row per profiled launch; ncu's own log lines
+    before it) -> {launch index: {metric: [value, unit]}}, launches numbered in order."""
     start = text.find('"ID"')
-    for row in csv.DictReader(io.StringIO(text[start:] if start >= 0 else "")):
-        i = ids.setdefault(row.get("ID"), len(ids))
-        sec = out.setdefault(i, {}).setdefault(row.get("Section Name", ""), {})
-        sec[row.get("Metric Name", "")] = [row.get("Metric Value"), row.get("Metric Unit")]
-    return out
+    rows = list(csv.reader(io.StringIO(text[start:] if start >= 0 else "")))
+    if len(rows) < 3:
+        return {}
+    names, units = rows[0], rows[1]
+    return {i: {n: [v, u] for n, u, v in zip(names, units, r)} for i, r in enumerate(rows[2:])}
 
 
 def main() -> None:
@@ -80,9 +83,9 @@ def main() -> None:
         import_package()
         from h3_turbo.kernels.attention import int8_kernels as K
 
+        hopper = dict(K.DEFAULT_CONFIG, **K.HOPPER_CONFIGS[0][1])
         for _, change in VARIANTS:
-            K._cfg(dict(K.DEFAULT_CONFIG, GLUON=True, BLOCK_M=128, TMA=True, QPRE=True, Q_ROW=True,
-                        ROWSUM_MMA=True, num_stages=2, **change))
+            K._cfg(dict(hopper, **change))
         res["dry"] = "configurations checked; ncu needs a GPU"
         tag = os.environ.get("TAG", "attention_ncu_dry")
     else:
@@ -97,14 +100,19 @@ def main() -> None:
             res["ncu"] = {"error": "ncu not found (PATH, /usr/local/cuda*/bin, NCU)"}
         else:
             n = len(VARIANTS)
-            cmd = [ncu, "-k", "regex:_attn_fwd_gluon_ws", "--launch-skip", str(n), "--launch-count", str(n), "--csv",
-                   "--page", "details"] + [a for s in SECTIONS for a in ("--section", s)] + [sys.executable, __file__]
-            p = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, _H3T_NCU_CHILD="1"),
-                               timeout=int(os.environ.get("NCU_TIMEOUT", 300)))
-            (out_dir / f"{tag}.csv").write_text(p.stdout)
-            res["ncu"] = {"cmd": " ".join(cmd), "rc": p.returncode, "stderr_tail": p.stderr[-3000:], "gpu": gpu}
-            parsed = parse(p.stdout)
-            res["metrics"] = {VARIANTS[i][0] if i < n else str(i): m for i, m in parsed.items()}
+            cmd = [ncu, "-k", "regex:_attn_fwd", "--launch-skip", str(n), "--launch-count", str(n),
+                   "--clock-control", "none", "--csv", "--page", "raw"]
+            cmd += [a for s in SECTIONS for a in ("--section", s)] + [sys.executable, __file__]
+            res["ncu"] = {"cmd": " ".join(cmd), "gpu": gpu}
+            try:
+                p = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, _H3T_NCU_CHILD="1"),
+                                   timeout=int(os.environ.get("NCU_TIMEOUT", 300)))
+                (out_dir / f"{tag}.csv").write_text(p.stdout)
+                res["ncu"].update(rc=p.returncode, stderr_tail=p.stderr[-3000:])
+                parsed = parse(p.stdout)
+                res["metrics"] = {VARIANTS[i][0] if i < n else str(i): m for i, m in parsed.items()}
+            except subprocess.TimeoutExpired as e:
+                res["ncu"].update(rc=None, error=f"timed out after {e.timeout} s")
     (out_dir / f"{tag}.json").write_text(json.dumps(res, indent=1))
     print(json.dumps({k: res[k] for k in ("variants", "ncu")}, default=str)[:2000])
 

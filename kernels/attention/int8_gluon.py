@@ -67,34 +67,6 @@ def available(device) -> str | None:
     return None
 
 
-#: 2^f on [-0.5, 0.5]: the float32 coefficients c0..c3 of a cubic with relative error < 7.5e-5 (a least-squares fit
-#: reweighted towards the largest relative error), as PTX hex literals (IEEE float32 bits)
-EXP2_POLY = ("0f3F7FFB4A", "0f3F31798D", "0f3E786EE6", "0f3D61FB53")
-
-
-def exp2_asm(n_fma: int) -> str:
-    """PTX for 4 consecutive float32 register elements ($4..$7 -> $0..$3): the first ``4 - n_fma`` by
-    ``ex2.approx.ftz.f32`` (the special-function unit, as ``gl.exp2``), the last ``n_fma`` on the FMA pipe: x
-    clamped to >= -125, r = round(x) by the 1.5 * 2^23 addition, f = x - r (exact), p = the cubic of
-    :data:`EXP2_POLY` in f by Horner, result bits = bits(p) + (r << 23) (the exponent moved by r; the addition's bits
-    shifted left 23 leave r << 23). FlashAttention-4's software exp2 (the same split between the two pipes). Every
-    result is written at the end, so an output register that shares an input's is never read after it is written."""
-    c0, c1, c2, c3 = EXP2_POLY
-    lines = ["{", ".reg .b32 x<4>, t<4>, r<4>, f<4>, p<4>, e<4>, y<4>;"]
-    for i in range(4):
-        a = f"${4 + i}"
-        if i < 4 - n_fma:
-            lines.append(f"ex2.approx.ftz.f32 y{i}, {a};")
-        else:
-            lines += [f"max.f32 x{i}, {a}, 0fC2FA0000;", f"add.rn.f32 t{i}, x{i}, 0f4B400000;",
-                      f"sub.rn.f32 r{i}, t{i}, 0f4B400000;", f"sub.rn.f32 f{i}, x{i}, r{i};",
-                      f"fma.rn.f32 p{i}, f{i}, {c3}, {c2};", f"fma.rn.f32 p{i}, p{i}, f{i}, {c1};",
-                      f"fma.rn.f32 p{i}, p{i}, f{i}, {c0};", f"shl.b32 e{i}, t{i}, 23;",
-                      f"add.s32 y{i}, p{i}, e{i};"]
-    lines += [f"mov.b32 ${i}, y{i};" for i in range(4)] + ["}"]
-    return " ".join(lines)
-
-
 #: the warp-specialized kernel's consumer warpgroup with no query row (the second half of a last tile of <= 64 rows)
 #: skips its MMAs and softmax and only keeps the turn / slot protocol (False: it computes masked rows, as before)
 WS_SKIP_EMPTY = True
@@ -105,26 +77,10 @@ if gluon is not None:
     _THREAD_BARRIER = gl.constexpr(hasattr(gl, "thread_barrier"))   # Triton 3.6 (the device's); 3.8: gl.barrier
     WS_CONSUMER_REGS = gl.constexpr(240)
     WS_MAXNREG = 168     # 12 warps (3 warpgroups) x 32 x 168 <= 65 536: consumers 240, the TMA warpgroup 24
-    _EXP2_ASM1 = gl.constexpr(exp2_asm(1))
-    _EXP2_ASM2 = gl.constexpr(exp2_asm(2))
-
-    @gluon.jit
-    def _exp2(x, EXN: gl.constexpr):
-        """2^x of a float32 tensor: ``gl.exp2`` (EXN 1), or per 4 consecutive register elements 1 (EXN 2) or 2 (EXN 4)
-        of them on the FMA pipe (:func:`exp2_asm`)."""
-        if EXN == 2:
-            y = gl.inline_asm_elementwise(_EXP2_ASM1, "=r,=r,=r,=r,r,r,r,r", [x], dtype=gl.float32, is_pure=True,
-                                          pack=4)
-        elif EXN == 4:
-            y = gl.inline_asm_elementwise(_EXP2_ASM2, "=r,=r,=r,=r,r,r,r,r", [x], dtype=gl.float32, is_pure=True,
-                                          pack=4)
-        else:
-            y = gl.exp2(x)
-        return y
 
     @gluon.jit
     def _softmax_block(s, c, m_i, start_n, N_K, BLOCK_N: gl.constexpr, col_layout: gl.constexpr,
-                       MASK: gl.constexpr, EXN: gl.constexpr = 1):
+                       MASK: gl.constexpr):
         """Online-softmax step of one key block: ``s`` int32 scores q8.k8 (+ 0x4B400000: the bits of
         12582912 + q8.k8 as float32), ``c`` the per-row score scale (exp2 domain) -> (P * 448 e4m3 inputs as float32,
         alpha = exp2(m_i - m_new), m_new); the float32 ops of ``_update`` in the Triton kernel."""
@@ -137,7 +93,7 @@ if gluon is not None:
         arg = x * gl.expand_dims(c, 1) + gl.expand_dims(off + 8.807354922057604 - m_new, 1)   # log2(448)
         if MASK:
             arg = gl.where(valid, arg, -float("inf"))
-        return _exp2(arg, EXN), gl.exp2(m_i - m_new), m_new
+        return gl.exp2(arg), gl.exp2(m_i - m_new), m_new
 
     @gluon.jit
     def _as_a_operand(p, p_layout: gl.constexpr):
@@ -161,16 +117,14 @@ if gluon is not None:
     def _pipelined_block(j, s, acc, l_i, m_i, qc, ks_ptr, q_smem, k_smem, v_smem, ones_smem, k_bar, v_bar,
                          k_desc, v_desc, k_row, v_row, n, N_K, s_zero, rs0,
                          BLOCK_N: gl.constexpr, k_bytes: gl.constexpr, v_bytes: gl.constexpr,
-                         col_s: gl.constexpr, row_o: gl.constexpr, p_layout: gl.constexpr, MASK: gl.constexpr,
-                         EXN: gl.constexpr):
+                         col_s: gl.constexpr, row_o: gl.constexpr, p_layout: gl.constexpr, MASK: gl.constexpr):
         """Key block j with its scores ``s`` done: S_{j+1} issued (on the last block a dummy on the K slot it holds,
         no load, result unused), the softmax of S_j while it runs, O rescaled, P_j V_j and its row sums issued, all
         waited for; the freed K slot takes K_{j+3}, the V slot V_{j+2}. Returns (S_{j+1}, O, l, m)."""
         sn = (j + 1) % 2
         mbarrier.wait(k_bar.index(sn), ((j + 1) // 2) & 1, pred=j + 1 < n)
         s_tok = warpgroup_mma(q_smem, k_smem.index(sn).permute((1, 0)), s_zero, use_acc=False, is_async=True)
-        p, alpha, m_i = _softmax_block(s, qc * gl.load(ks_ptr + j), m_i, j * BLOCK_N, N_K, BLOCK_N, col_s, MASK,
-                                       EXN)
+        p, alpha, m_i = _softmax_block(s, qc * gl.load(ks_ptr + j), m_i, j * BLOCK_N, N_K, BLOCK_N, col_s, MASK)
         p8 = _as_a_operand(p, p_layout)
         alpha_o = gl.convert_layout(alpha, row_o)
         acc = acc * gl.expand_dims(alpha_o, 1)
@@ -193,7 +147,7 @@ if gluon is not None:
                         H, N_Q, N_K, N_KPAD, qk_scale,
                         HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                         OUT_FP8: gl.constexpr, HP: gl.constexpr, ONES_SWIZZLE: gl.constexpr,
-                        num_warps: gl.constexpr, EXP2_FMA: gl.constexpr = 0):
+                        num_warps: gl.constexpr):
         pid_m = gl.program_id(0)
         bh = gl.program_id(1)                                # batch 1: bh is the head
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
@@ -269,13 +223,11 @@ if gluon is not None:
         for j in range(0, n_full):
             s, acc, l_i, m_i = _pipelined_block(j, s, acc, l_i, m_i, qc, ks_ptr, q_smem, k_smem, v_smem, ones_smem,
                                                 k_bar, v_bar, k_desc, v_desc, k_row, v_row, n, N_K, s_zero, rs0,
-                                                BLOCK_N, k_bytes, v_bytes, col_s, row_o, p_layout, False,
-                                                1 << EXP2_FMA)
+                                                BLOCK_N, k_bytes, v_bytes, col_s, row_o, p_layout, False)
         if n_full < n:
             s, acc, l_i, m_i = _pipelined_block(n_full, s, acc, l_i, m_i, qc, ks_ptr, q_smem, k_smem, v_smem,
                                                 ones_smem, k_bar, v_bar, k_desc, v_desc, k_row, v_row, n, N_K, s_zero,
-                                                rs0, BLOCK_N, k_bytes, v_bytes, col_s, row_o, p_layout, True,
-                                                1 << EXP2_FMA)
+                                                rs0, BLOCK_N, k_bytes, v_bytes, col_s, row_o, p_layout, True)
         mbarrier.invalidate(q_bar)
         for i in gl.static_range(2):
             mbarrier.invalidate(k_bar.index(i))
@@ -324,12 +276,11 @@ if gluon is not None:
     def _ws_step(j, s, acc, l_i, m_i, qc, ks_ptr, q_smem, k_smem, v_smem, ones_smem, k_ready, v_ready, k_empty,
                  v_empty, my_turn, other_turn, turn_ph, N_K, s_zero, rs0,
                  BLOCK_N: gl.constexpr, STAGES: gl.constexpr, col_s: gl.constexpr, row_o: gl.constexpr,
-                 p_layout: gl.constexpr, MASK: gl.constexpr, LAST: gl.constexpr, EXN: gl.constexpr):
+                 p_layout: gl.constexpr, MASK: gl.constexpr, LAST: gl.constexpr):
         """Key block j of a consumer warpgroup with its scores ``s`` done: the softmax of S_j and O's rescale (while the
         other warpgroup's GEMMs run), then in this warpgroup's turn P_j V_j, its row sums and (unless ``LAST``)
         S_{j+1} = Q K_{j+1}^T issued, all waited for, the slots released. Returns (S_{j+1}, O, l, m)."""
-        p, alpha, m_i = _softmax_block(s, qc * gl.load(ks_ptr + j), m_i, j * BLOCK_N, N_K, BLOCK_N, col_s, MASK,
-                                       EXN)
+        p, alpha, m_i = _softmax_block(s, qc * gl.load(ks_ptr + j), m_i, j * BLOCK_N, N_K, BLOCK_N, col_s, MASK)
         p8 = _as_a_operand(p, p_layout)
         alpha_o = gl.convert_layout(alpha, row_o)
         acc = acc * gl.expand_dims(alpha_o, 1)
@@ -359,8 +310,7 @@ if gluon is not None:
         mbarriers (FlashAttention-3's ping-pong, arXiv:2407.08608 section 3.1: one warpgroup's softmax under the
         other's GEMMs). A warpgroup with no query row (``SKIP_EMPTY``) only keeps the protocol (:func:`_ws_idle`)."""
         (q_desc, k_desc, v_desc, QS, KS, VS, OUT, HMAX, SX, H, N_Q, N_K, N_KPAD, qk_scale,
-         q_smem, k_smem, v_smem, ones_smem, q_ready, k_ready, v_ready, k_empty, v_empty, turn, SKIP_EMPTY,
-         _exn, ov_tag) = args
+         q_smem, k_smem, v_smem, ones_smem, q_ready, k_ready, v_ready, k_empty, v_empty, turn, SKIP_EMPTY) = args
         BLOCK_N: gl.constexpr = k_desc.block_type.shape[0]
         STAGES: gl.constexpr = k_smem.type.shape[0]
         turn_ph = 1 - WG             # a fresh mbarrier passes a wait on phase 1: warpgroup 0 issues first
@@ -372,8 +322,8 @@ if gluon is not None:
         if empty:
             _ws_idle(gl.cdiv(N_K, BLOCK_N), k_ready, v_ready, k_empty, v_empty, turn.index(WG), turn.index(1 - WG),
                      turn_ph, STAGES)
-        else:      # the tag's shape carries WS_OVERLAP (no constexpr passes through warp_specialize)
-            _ws_rows(args, WG, ov_tag.type.shape[0] == 2)
+        else:
+            _ws_rows(args, WG)
 
     @gluon.jit
     def _ws_idle(n, k_ready, v_ready, k_empty, v_empty, my_turn, other_turn, turn_ph, STAGES: gl.constexpr):
@@ -399,18 +349,13 @@ if gluon is not None:
             mbarrier.arrive(v_empty.index(sj), count=1)
 
     @gluon.jit
-    def _ws_rows(args, WG: gl.constexpr, OVERLAP: gl.constexpr):
-        """:func:`_ws_consumer` for a warpgroup with query rows: S_0, every key block, the epilogue. ``OVERLAP``
-        (``WS_OVERLAP``): the blocks in the overlapped order of :func:`_ov_step` (S_0's softmax first, then each
-        block's P V with the next block's softmax under it); the same turns and slot releases, in the same order, as
-        the default order and :func:`_ws_idle`."""
+    def _ws_rows(args, WG: gl.constexpr):
+        """:func:`_ws_consumer` for a warpgroup with query rows: S_0, every key block, the epilogue."""
         (q_desc, k_desc, v_desc, QS, KS, VS, OUT, HMAX, SX, H, N_Q, N_K, N_KPAD, qk_scale,
-         q_smem, k_smem, v_smem, ones_smem, q_ready, k_ready, v_ready, k_empty, v_empty, turn, _skip,
-         exn_tag, _ov) = args
+         q_smem, k_smem, v_smem, ones_smem, q_ready, k_ready, v_ready, k_empty, v_empty, turn, _skip) = args
         HEAD_DIM: gl.constexpr = k_desc.block_type.shape[1]
         BLOCK_N: gl.constexpr = k_desc.block_type.shape[0]
         STAGES: gl.constexpr = k_smem.type.shape[0]
-        EXN: gl.constexpr = exn_tag.type.shape[0]    # 1 << EXP2_FMA (no constexpr passes through warp_specialize)
         BLOCK_M: gl.constexpr = 64
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                            instr_shape=[16, BLOCK_N, 32])
@@ -449,92 +394,22 @@ if gluon is not None:
         acc = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, o_layout)
         l_i = gl.zeros([BLOCK_M], gl.float32, row_o)
 
-        if OVERLAP:      # S_0's softmax now; then each block's P V with the next block's softmax under it
-            if n_full == 0:
-                p, alpha, m_i = _softmax_block(s, qc * gl.load(ks_ptr), m_i, 0, N_K, BLOCK_N, col_s, True, EXN)
-            else:
-                p, alpha, m_i = _softmax_block(s, qc * gl.load(ks_ptr), m_i, 0, N_K, BLOCK_N, col_s, False, EXN)
-            p8 = _as_a_operand(p, p_layout)
-            alpha_o = gl.convert_layout(alpha, row_o)
-            # ---- blocks 0 .. n-3 (the next one full), n-2 (the next one masked if ragged), n-1 (no next)
-            for j in range(0, n - 2):
-                p8, alpha_o, acc, l_i, m_i = _ov_step(
-                    j, p8, alpha_o, acc, l_i, m_i, qc, ks_ptr, qw, k_smem, v_smem, ones_smem, k_ready, v_ready,
-                    k_empty, v_empty, my_turn, other_turn, turn_ph, N_K, s_zero, rs0, BLOCK_N, STAGES, col_s, row_o,
-                    p_layout, True, False, EXN)
-            if n >= 2:
-                if n_full < n:
-                    p8, alpha_o, acc, l_i, m_i = _ov_step(
-                        n - 2, p8, alpha_o, acc, l_i, m_i, qc, ks_ptr, qw, k_smem, v_smem, ones_smem, k_ready,
-                        v_ready, k_empty, v_empty, my_turn, other_turn, turn_ph, N_K, s_zero, rs0, BLOCK_N, STAGES,
-                        col_s, row_o, p_layout, True, True, EXN)
-                else:
-                    p8, alpha_o, acc, l_i, m_i = _ov_step(
-                        n - 2, p8, alpha_o, acc, l_i, m_i, qc, ks_ptr, qw, k_smem, v_smem, ones_smem, k_ready,
-                        v_ready, k_empty, v_empty, my_turn, other_turn, turn_ph, N_K, s_zero, rs0, BLOCK_N, STAGES,
-                        col_s, row_o, p_layout, True, False, EXN)
-            p8, alpha_o, acc, l_i, m_i = _ov_step(
-                n - 1, p8, alpha_o, acc, l_i, m_i, qc, ks_ptr, qw, k_smem, v_smem, ones_smem, k_ready, v_ready,
-                k_empty, v_empty, my_turn, other_turn, turn_ph, N_K, s_zero, rs0, BLOCK_N, STAGES, col_s, row_o,
-                p_layout, False, False, EXN)
+        # ---- key blocks 0 .. n-2 (full), then the last one (masked if ragged)
+        for j in range(0, n - 1):
+            s, acc, l_i, m_i = _ws_step(j, s, acc, l_i, m_i, qc, ks_ptr, qw, k_smem, v_smem, ones_smem, k_ready,
+                                        v_ready, k_empty, v_empty, my_turn, other_turn, turn_ph, N_K, s_zero, rs0,
+                                        BLOCK_N, STAGES, col_s, row_o, p_layout, False, False)
+        if n_full < n:
+            s, acc, l_i, m_i = _ws_step(n - 1, s, acc, l_i, m_i, qc, ks_ptr, qw, k_smem, v_smem, ones_smem, k_ready,
+                                        v_ready, k_empty, v_empty, my_turn, other_turn, turn_ph, N_K, s_zero, rs0,
+                                        BLOCK_N, STAGES, col_s, row_o, p_layout, True, True)
         else:
-            # ---- key blocks 0 .. n-2 (full), then the last one (masked if ragged)
-            for j in range(0, n - 1):
-                s, acc, l_i, m_i = _ws_step(
-                    j, s, acc, l_i, m_i, qc, ks_ptr, qw, k_smem, v_smem, ones_smem, k_ready, v_ready, k_empty,
-                    v_empty, my_turn, other_turn, turn_ph, N_K, s_zero, rs0, BLOCK_N, STAGES, col_s, row_o, p_layout,
-                    False, False, EXN)
-            if n_full < n:
-                s, acc, l_i, m_i = _ws_step(
-                    n - 1, s, acc, l_i, m_i, qc, ks_ptr, qw, k_smem, v_smem, ones_smem, k_ready, v_ready, k_empty,
-                    v_empty, my_turn, other_turn, turn_ph, N_K, s_zero, rs0, BLOCK_N, STAGES, col_s, row_o, p_layout,
-                    True, True, EXN)
-            else:
-                s, acc, l_i, m_i = _ws_step(
-                    n - 1, s, acc, l_i, m_i, qc, ks_ptr, qw, k_smem, v_smem, ones_smem, k_ready, v_ready, k_empty,
-                    v_empty, my_turn, other_turn, turn_ph, N_K, s_zero, rs0, BLOCK_N, STAGES, col_s, row_o, p_layout,
-                    False, True, EXN)
+            s, acc, l_i, m_i = _ws_step(n - 1, s, acc, l_i, m_i, qc, ks_ptr, qw, k_smem, v_smem, ones_smem, k_ready,
+                                        v_ready, k_empty, v_empty, my_turn, other_turn, turn_ph, N_K, s_zero, rs0,
+                                        BLOCK_N, STAGES, col_s, row_o, p_layout, False, True)
 
         # ---- epilogue (the 4-warp kernel's)
         _store_output(acc, l_i, pid_m * 128 + WG * BLOCK_M, bh, VS, OUT, HMAX, SX, H, N_Q, row_o, col_o, 0, 4)
-
-    @gluon.jit
-    def _ov_step(j, p8, alpha_o, acc, l_i, m_i, qc, ks_ptr, q_smem, k_smem, v_smem, ones_smem, k_ready, v_ready,
-                 k_empty, v_empty, my_turn, other_turn, turn_ph, N_K, s_zero, rs0,
-                 BLOCK_N: gl.constexpr, STAGES: gl.constexpr, col_s: gl.constexpr, row_o: gl.constexpr,
-                 p_layout: gl.constexpr, HAS_NEXT: gl.constexpr, MASK_NEXT: gl.constexpr, EXN: gl.constexpr):
-        """Key block j of a consumer warpgroup in the overlapped order (``WS_OVERLAP``; FlashAttention-3's
-        intra-warpgroup overlap, arXiv:2407.08608 section 3.2, on top of the ping-pong): with P_j (``p8``) and
-        alpha_j already computed, O is rescaled, then in this warpgroup's turn S_{j+1} = Q K_{j+1}^T (unless not
-        ``HAS_NEXT``), P_j V_j and its row sums are issued in that order; S_{j+1} is waited for alone and its softmax
-        runs while P_j V_j is on the tensor cores; then the rest is waited for. The same per-row float32 operations
-        as :func:`_ws_step`, so the same bits. Returns (P_{j+1}, alpha_{j+1}, O, l, m_{j+1})."""
-        acc = acc * gl.expand_dims(alpha_o, 1)
-        sj = j % STAGES
-        sn = (j + 1) % STAGES
-        mbarrier.wait(my_turn, turn_ph ^ ((j + 1) & 1))
-        mbarrier.wait(v_ready.index(sj), (j // STAGES) & 1)
-        if HAS_NEXT:
-            mbarrier.wait(k_ready.index(sn), ((j + 1) // STAGES) & 1)
-            s_tok = warpgroup_mma(q_smem, k_smem.index(sn).permute((1, 0)), s_zero, use_acc=False, is_async=True)
-        acc_tok = warpgroup_mma(p8, v_smem.index(sj).permute((1, 0)), acc, is_async=True)
-        rs_tok = warpgroup_mma(p8, ones_smem.permute((1, 0)), rs0, use_acc=False, is_async=True)
-        mbarrier.arrive(other_turn, count=1)
-        if HAS_NEXT:
-            s = warpgroup_mma_wait(2, deps=[s_tok])
-            mbarrier.arrive(k_empty.index(sn), count=1)
-            p, alpha, m_i = _softmax_block(s, qc * gl.load(ks_ptr + j + 1), m_i, (j + 1) * BLOCK_N, N_K, BLOCK_N,
-                                           col_s, MASK_NEXT, EXN)
-            p8_next = _as_a_operand(p, p_layout)
-            alpha_next = gl.convert_layout(alpha, row_o)
-        else:
-            p8_next = p8
-            alpha_next = alpha_o
-        acc, rs = warpgroup_mma_wait(0, deps=[acc_tok, rs_tok])
-        mbarrier.arrive(v_empty.index(sj), count=1)
-        l_i = l_i * alpha_o + gl.convert_layout(gl.max(rs, 1), row_o)
-        return p8_next, alpha_next, acc, l_i, m_i
-
 
     @gluon.jit
     def _ws_consumer0(args):
@@ -549,8 +424,7 @@ if gluon is not None:
         """The TMA partition (1 warp): Q's two 64-row halves, then K_j and V_j into slot j % STAGES once both
         consumers have released it (k_empty / v_empty count 2)."""
         (q_desc, k_desc, v_desc, QS, KS, VS, OUT, HMAX, SX, H, N_Q, N_K, N_KPAD, qk_scale,
-         q_smem, k_smem, v_smem, ones_smem, q_ready, k_ready, v_ready, k_empty, v_empty, turn, _skip,
-         exn_tag, _ov) = args
+         q_smem, k_smem, v_smem, ones_smem, q_ready, k_ready, v_ready, k_empty, v_empty, turn, _skip) = args
         HEAD_DIM: gl.constexpr = k_desc.block_type.shape[1]
         BLOCK_N: gl.constexpr = k_desc.block_type.shape[0]
         STAGES: gl.constexpr = k_smem.type.shape[0]
@@ -577,7 +451,7 @@ if gluon is not None:
                            H, N_Q, N_K, N_KPAD, qk_scale,
                            HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
                            OUT_FP8: gl.constexpr, ONES_SWIZZLE: gl.constexpr, SKIP_EMPTY: gl.constexpr,
-                           num_warps: gl.constexpr, EXP2_FMA: gl.constexpr = 0, WS_OVERLAP: gl.constexpr = 0):
+                           num_warps: gl.constexpr):
         """128 query rows per program: two consumer warpgroups of 64 rows (the default partition and a 4-warp
         worker) sharing K/V slots that a 1-warp TMA worker fills (FlashAttention-3's warp specialization and
         ping-pong schedule); the same per-row math, so the same bits, as :func:`_attn_fwd_gluon`."""
@@ -596,9 +470,6 @@ if gluon is not None:
         k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-        # never initialised or used: their shapes carry 1 << EXP2_FMA and 1 + WS_OVERLAP into the partitions
-        exn_tag = gl.allocate_shared_memory(gl.int64, [1 << EXP2_FMA, 1], mbarrier.MBarrierLayout())
-        ov_tag = gl.allocate_shared_memory(gl.int64, [1 + WS_OVERLAP, 1], mbarrier.MBarrierLayout())
         mbarrier.init(q_ready, count=1)
         for i in gl.static_range(STAGES):
             mbarrier.init(k_ready.index(i), count=1)
@@ -613,8 +484,7 @@ if gluon is not None:
         else:
             gl.barrier()
         args = (q_desc, k_desc, v_desc, QS, KS, VS, OUT, HMAX, SX, H, N_Q, N_K, N_KPAD, qk_scale,
-                q_smem, k_smem, v_smem, ones_smem, q_ready, k_ready, v_ready, k_empty, v_empty, turn, SKIP_EMPTY,
-                exn_tag, ov_tag)
+                q_smem, k_smem, v_smem, ones_smem, q_ready, k_ready, v_ready, k_empty, v_empty, turn, SKIP_EMPTY)
         wargs = (args,)
         gl.warp_specialize([(_ws_consumer0, wargs), (_ws_consumer1, wargs), (_ws_producer, wargs)],
                            [4, 1], [WS_CONSUMER_REGS, 24])
@@ -642,12 +512,12 @@ def launch_prequantized(q8: torch.Tensor, qs: torch.Tensor, kv: dict, out: torch
         _attn_fwd_gluon_ws[(triton.cdiv(L, 128), H)](
             q_desc, k_desc, v_desc, qs, kv["ks"], kv["vs"], out, hmax, sx, ones, H, L, L, npad, sm_log2,
             HEAD_DIM=D, BLOCK_N=bn, STAGES=c["num_stages"], OUT_FP8=fp8_scales is not None,
-            ONES_SWIZZLE=min(128, bn), SKIP_EMPTY=WS_SKIP_EMPTY, num_warps=4, EXP2_FMA=c["EXP2_FMA"],
-            WS_OVERLAP=int(c["WS_OVERLAP"]), maxnreg=WS_MAXNREG)
+            ONES_SWIZZLE=min(128, bn), SKIP_EMPTY=WS_SKIP_EMPTY, num_warps=4,
+            maxnreg=WS_MAXNREG)
         return out
     grid = (triton.cdiv(L, bm), H)
     _attn_fwd_gluon[grid](q_desc, k_desc, v_desc, qs, kv["ks"], kv["vs"], out, hmax, sx, ones, H, L, L, npad, sm_log2,
                           HEAD_DIM=D, BLOCK_M=bm, BLOCK_N=bn, OUT_FP8=fp8_scales is not None, ONES_SWIZZLE=min(128, bn),
                           HP=triton.next_power_of_2(H) if fp8_scales is not None else 1,
-                          num_warps=bm // 16, EXP2_FMA=c["EXP2_FMA"])
+                          num_warps=bm // 16)
     return out

@@ -62,13 +62,6 @@ of the outlier tests). ``ROT_MMA`` (with ``ROTATE``): k's rotation in :func:`qua
 RMSNorm + RoPE launch as a tensor-core product with H_D in bf16 (:func:`hadamard_matrix`; k' as bf16 plus its bf16
 remainder, ~16 significant bits; q is already bf16, so its products are exact) instead of the butterfly: the same
 values up to float32 rounding, not the same bits (the INT8 codes differ by one step at rounding boundaries).
-``EXP2_FMA`` (0, 1 or 2; the Gluon kernel only, the Triton kernel ignores it): of every 4 softmax exponentials a
-thread holds, this many are computed on the FMA pipe by a cubic (:func:`.int8_gluon.exp2_asm`, relative error
-< 7.5e-5) instead of the special-function unit, which the softmax otherwise saturates; P's e4m3 codes then differ
-from the Triton kernel's where the two exponentials round to different sides of a code boundary.
-``WS_OVERLAP`` (the Gluon kernel's warp-specialized form only): each consumer warpgroup issues the next key block's
-Q K^T before its P V and runs that block's softmax while P V is on the tensor cores (FlashAttention-3's
-intra-warpgroup overlap, beside the ping-pong); the same operations per row, so the same bits.
 :func:`tuned_config` picks the configuration when none is given: :data:`HOPPER_CONFIGS` on compute
 capability 9.x, else :data:`DEFAULT_CONFIG` (which needs no TMA, e.g. Ada). Why each option is on or off,
 with the measurements: ``docs/attention.md``.
@@ -108,8 +101,7 @@ LOG2_FP8_MAX = math.log2(FP8_MAX)
 DEFAULT_CONFIG = {"BLOCK_M": 64, "BLOCK_N": 128, "num_warps": 4, "num_stages": 3, "MAGIC": True,
                   "PV_FP8": True, "V_MEAN": False, "IMPRECISE": None,
                   "TMA": False, "QPRE": False, "ROWSUM_MMA": False, "MAXNREG": None, "Q_ROW": False,
-                  "GLUON": False, "ROTATE": True, "BALANCE": True, "ROT_MMA": False, "EXP2_FMA": 0,
-                  "WS_OVERLAP": False}
+                  "GLUON": False, "ROTATE": True, "BALANCE": True, "ROT_MMA": False}
 # Hopper (compute capability 9.x): (largest key length or None, changes from DEFAULT_CONFIG); the first row
 # that fits is used. K/V through TMA, Q quantized by its pre-kernel, row sums on the tensor cores, at most
 # 168 registers per thread (how this row was chosen: docs/attention.md); one Q scale per row (Q_ROW, as the fused
@@ -547,10 +539,6 @@ def _cfg(config: dict | None) -> dict:
     mr = c["MAXNREG"]
     if mr is not None and (not isinstance(mr, int) or isinstance(mr, bool) or not 24 <= mr <= 255):
         raise ValueError(f"attention_int8: config MAXNREG={mr!r}; expected None or an int in [24, 255]")
-    if not isinstance(c["WS_OVERLAP"], bool):
-        raise ValueError(f"attention_int8: config WS_OVERLAP={c['WS_OVERLAP']!r}; expected True or False")
-    if c["EXP2_FMA"] not in (0, 1, 2) or isinstance(c["EXP2_FMA"], bool):
-        raise ValueError(f"attention_int8: config EXP2_FMA={c['EXP2_FMA']!r}; expected 0, 1 or 2")
     if c["ROWSUM_MMA"] and not c["PV_FP8"]:
         raise ValueError("attention_int8: ROWSUM_MMA needs PV_FP8 (the row sum runs on the e4m3 P)")
     if c["Q_ROW"] and not c["QPRE"]:

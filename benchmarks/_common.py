@@ -5,6 +5,7 @@ import_package: ``import h3_turbo`` from this checkout.
 collect_logs: INFO logging to stderr, and the pack's log lines appended to a list (the result JSON's ``log``).
 h3_config: the fixture config (``tools.fixtures.TinyH3Config``) with the real H3's widths, or tiny widths for DRY.
 cuda_median_ms: median CUDA-event time of a callable (ms).
+gpu_tag: the current CUDA device's short name for result file names (h200, h100, ...).
 q_row_codes: the fused route's per-row INT8 Q codes and scales of a q.
 lora_routes: kernels.dispatch.LORA_ROUTES summed over every loaded copy of that module.
 rel_l2: relative L2 of one tensor against another in float64.
@@ -20,6 +21,16 @@ import sys
 import torch
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def gpu_tag() -> str:
+    """The current CUDA device's short name for result file names: h200, h100, b200, a100, else its full name with
+    underscores."""
+    name = torch.cuda.get_device_name().lower()
+    for tag in ("h200", "h100", "b200", "a100"):
+        if tag in name:
+            return tag
+    return name.replace(" ", "_")
 
 
 def import_package():

@@ -42,6 +42,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import torch  # noqa: E402
 
 from _common import REPO, collect_logs, cuda_median_ms, import_package, q_row_codes  # noqa: E402
+from _common import gpu_tag as cuda_gpu_tag  # noqa: E402
 
 import_package()
 from h3_turbo.kernels.attention import balance, cudnn_fp8, exact, fa3, guard, int8_kernels as K, stress  # noqa: E402
@@ -57,13 +58,7 @@ OUT = os.environ.get("OUT", os.path.join(REPO, "benchmarks", "results"))
 
 
 def gpu_tag() -> str:
-    if DRY:
-        return "dry"
-    name = torch.cuda.get_device_name().lower()
-    for tag in ("h200", "h100", "b200", "a100"):
-        if tag in name:
-            return tag
-    return name.replace(" ", "_")
+    return "dry" if DRY else cuda_gpu_tag()
 
 
 def ensure_fa3(log):

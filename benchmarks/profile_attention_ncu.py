@@ -34,8 +34,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-VARIANTS = (("gluon_ws2", {"GLUON": True, "BLOCK_M": 128, "num_warps": 4, "MAXNREG": None, "num_stages": 2}),
-            ("triton", {}))
+VARIANTS = ("gluon", "triton")     # the route's Gluon configuration at L tokens; the tuned Triton configuration
 SECTIONS = ("SpeedOfLight", "ComputeWorkloadAnalysis", "WarpStateStats", "SchedulerStats", "InstructionStats",
             "Occupancy")
 L = int(os.environ.get("L", 19584))
@@ -55,11 +54,20 @@ def child() -> None:
     _, (q, k, v) = h3_qkv(L, H, 128, "cuda", seed=1)
     q8, qs = q_row_codes(q)
     ksum, vamax = K.kv_partial_stats(k[0].transpose(0, 1), v[0].transpose(0, 1))
-    base = K.tuned_config("cuda", L)
+    configs = configs_for(K, torch.device("cuda"))
     for _ in range(2):
-        for _, change in VARIANTS:
-            K.sage_attention_prequantized(q8, qs, k, v, ksum, vamax, config=dict(base, **change), out_fp8=True)
+        for name in VARIANTS:
+            K.sage_attention_prequantized(q8, qs, k, v, ksum, vamax, config=configs[name], out_fp8=True)
             torch.cuda.synchronize()
+
+
+def configs_for(K, device) -> dict:
+    """{variant: launch configuration}: the fused route's own choice (``fused_block._gluon_config``, the
+    warp-specialized form at these lengths) and the tuned configuration it starts from (the Triton kernel)."""
+    from h3_turbo.runtime import fused_block
+
+    base = K.tuned_config(device, L)
+    return {"gluon": fused_block._gluon_config(base, device, L), "triton": base}
 
 
 def parse(text: str) -> dict:
@@ -74,26 +82,25 @@ def parse(text: str) -> dict:
 
 
 def main() -> None:
+    import torch
+
     out_dir = Path(os.environ.get("OUT", Path(__file__).resolve().parent / "results"))
     out_dir.mkdir(parents=True, exist_ok=True)
-    res: dict = {"L": L, "heads": H, "variants": [n for n, _ in VARIANTS], "metrics": {}, "ncu": {}}
+    res: dict = {"L": L, "heads": H, "variants": list(VARIANTS), "metrics": {}, "ncu": {}}
     if DRY:
         from _common import import_package
 
         import_package()
         from h3_turbo.kernels.attention import int8_kernels as K
 
-        hopper = dict(K.DEFAULT_CONFIG, **K.HOPPER_CONFIGS[0][1])
-        for _, change in VARIANTS:
-            K._cfg(dict(hopper, **change))
-        res["dry"] = "configurations checked; ncu needs a GPU"
+        res["configs"] = configs_for(K, torch.device("cpu"))
+        res["dry"] = "configurations built (the CPU has no Gluon route: both are the base); ncu needs a GPU"
         tag = os.environ.get("TAG", "attention_ncu_dry")
     else:
-        import torch
+        from _common import gpu_tag
 
         gpu = torch.cuda.get_device_name()
-        card = "h200" if "H200" in gpu else "h100" if "H100" in gpu else "gpu"
-        tag = os.environ.get("TAG", f"attention_ncu_{card}")
+        tag = os.environ.get("TAG", f"attention_ncu_{gpu_tag()}")
         ncu = os.environ.get("NCU") or shutil.which("ncu") or next(iter(sorted(glob.glob("/usr/local/cuda*/bin/ncu"))),
                                                                    None)
         if ncu is None:
@@ -110,7 +117,7 @@ def main() -> None:
                 (out_dir / f"{tag}.csv").write_text(p.stdout)
                 res["ncu"].update(rc=p.returncode, stderr_tail=p.stderr[-3000:])
                 parsed = parse(p.stdout)
-                res["metrics"] = {VARIANTS[i][0] if i < n else str(i): m for i, m in parsed.items()}
+                res["metrics"] = {VARIANTS[i] if i < n else str(i): m for i, m in parsed.items()}
             except subprocess.TimeoutExpired as e:
                 res["ncu"].update(rc=None, error=f"timed out after {e.timeout} s")
     (out_dir / f"{tag}.json").write_text(json.dumps(res, indent=1))
